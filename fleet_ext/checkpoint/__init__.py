@@ -1,0 +1,1 @@
+"""fleet_ext.checkpoint (no Paddle import here; see DESIGN.md)."""

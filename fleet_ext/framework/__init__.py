@@ -1,0 +1,1 @@
+"""fleet_ext.framework (no Paddle import here; see DESIGN.md)."""

@@ -1,0 +1,1 @@
+"""fleet_ext.layers (no Paddle import here; see DESIGN.md)."""

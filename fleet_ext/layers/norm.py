@@ -1,0 +1,29 @@
+"""RMS normalisations used across DSv4: weighted (learned gain) and weightless (per-head q)."""
+
+from __future__ import annotations
+
+import paddle
+
+from fleet_ext.framework.layer import FleetLayer
+
+
+def rms_normalize(x: paddle.Tensor, eps: float) -> paddle.Tensor:
+    """``x / sqrt(mean(x^2) + eps)`` over the last axis, computed in fp32 and cast back."""
+    xf = x.astype("float32")
+    return (xf * paddle.rsqrt(xf.square().mean(axis=-1, keepdim=True) + eps)).astype(x.dtype)
+
+
+class RMSNorm(FleetLayer):
+    """RMSNorm with an fp32 gain (DSv4 keeps norm weights in fp32)."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = self.create_parameter(
+            [hidden_size], dtype="float32", default_initializer=paddle.nn.initializer.Constant(1.0)
+        )
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        xf = x.astype("float32")
+        normed = xf * paddle.rsqrt(xf.square().mean(axis=-1, keepdim=True) + self.eps)
+        return (self.weight * normed).astype(x.dtype)

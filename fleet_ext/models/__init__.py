@@ -1,0 +1,1 @@
+"""fleet_ext.models (no Paddle import here; see DESIGN.md)."""

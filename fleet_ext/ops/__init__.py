@@ -1,0 +1,1 @@
+"""fleet_ext.ops (no Paddle import here; see DESIGN.md)."""

@@ -1,0 +1,1 @@
+"""fleet_ext.ops.kv_idx_remap (no Paddle import here; see DESIGN.md)."""

@@ -1,0 +1,1 @@
+"""fleet_ext.ops.sparse_attn (no Paddle import here; see DESIGN.md)."""

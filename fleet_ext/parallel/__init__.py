@@ -1,0 +1,1 @@
+"""fleet_ext.parallel (no Paddle import here; see DESIGN.md)."""

@@ -1,0 +1,1 @@
+"""fleet_ext.training (no Paddle import here; see DESIGN.md)."""
