@@ -200,6 +200,11 @@ class ModelConfig:
                 f">= qk_pos_emb_head_dim ({self.qk_pos_emb_head_dim})",
                 "the indexer ropes its trailing qk_pos_emb_head_dim channels",
             )
+        if has_indexer and (self.dsa_indexer_loss_coeff or self.dsa_indexer_use_sparse_loss):
+            _not_yet(
+                "dsa_indexer_loss_coeff", self.dsa_indexer_loss_coeff, "training the CSA indexer with its KL loss",
+                "set `dsa_indexer_loss_coeff: 0.0` and `dsa_indexer_use_sparse_loss: false` for now",
+            )
         if self.vha_postmix_rank is not None and not 1 <= self.vha_postmix_rank <= self.num_attention_heads:
             _fail(
                 "vha_postmix_rank", self.vha_postmix_rank, f"None or 1..num_attention_heads ({self.num_attention_heads})",

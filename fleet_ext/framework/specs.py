@@ -1,0 +1,31 @@
+"""Layer specs of the DSv4 decoder, in the style of PaddleFleet's ``get_gpt_layer_local_spec``."""
+
+from __future__ import annotations
+
+from fleet_ext.config import FleetExtConfig
+from fleet_ext.framework.backend import BackendProvider
+from fleet_ext.framework.spec import LayerSpec
+
+
+def mlp_spec(config: FleetExtConfig, layer_number: int) -> LayerSpec:
+    """Dense SwiGLU for the first ``first_k_dense_replace`` layers, DeepSeekMoE otherwise."""
+    from fleet_ext.layers.mlp import SwiGLUMLP
+    from fleet_ext.layers.moe import MoELayer
+
+    if layer_number < config.moe.first_k_dense_replace:
+        width = {"hidden_size": config.model.hidden_size, "ffn_hidden_size": config.moe.intermediate_size}
+        return LayerSpec(SwiGLUMLP, params=width)
+    return LayerSpec(MoELayer, params={"layer_number": layer_number})
+
+
+def decoder_layer_spec(config: FleetExtConfig, layer_number: int, backend: BackendProvider) -> LayerSpec:
+    """The TransformerLayer spec for one layer; the attention kind comes from csa_compress_ratios."""
+    from fleet_ext.framework.transformer_layer import TransformerLayer
+    from fleet_ext.layers.dsv4_attention import DSv4HybridSelfAttention
+
+    attention = LayerSpec(DSv4HybridSelfAttention, params={"layer_number": layer_number, "ops": backend.attention_ops})
+    return LayerSpec(
+        TransformerLayer,
+        params={"layer_number": layer_number},
+        sublayers={"self_attention": attention, "mlp": mlp_spec(config, layer_number)},
+    )

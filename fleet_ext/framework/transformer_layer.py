@@ -1,0 +1,49 @@
+"""TransformerLayer: attention then MLP/MoE, joined by a plain residual or by mHC streams."""
+
+from __future__ import annotations
+
+import inspect
+
+import paddle
+
+from fleet_ext.config import FleetExtConfig
+from fleet_ext.framework.layer import FleetLayer
+from fleet_ext.framework.spec import LayerSpec, build_layer
+from fleet_ext.layers.mhc import HyperConnection, hyper_combine
+from fleet_ext.layers.norm import RMSNorm
+
+
+class TransformerLayer(FleetLayer):
+    """One decoder layer. Sublayers: ``self_attention`` and ``mlp`` specs (chosen by the layer spec).
+
+    With mHC the hidden state is [b, s, n, D] (n residual streams); otherwise [b, s, D].
+    """
+
+    def __init__(self, config: FleetExtConfig, layer_number: int, sublayers: dict[str, LayerSpec]) -> None:
+        super().__init__()
+        m = config.model
+        self.layer_number = layer_number
+        self.use_mhc = m.enable_hyper_connections
+        self.input_layernorm = RMSNorm(m.hidden_size, m.rms_norm_eps)
+        self.self_attention = build_layer(sublayers["self_attention"], config)
+        self.pre_mlp_layernorm = RMSNorm(m.hidden_size, m.rms_norm_eps)
+        self.mlp = build_layer(sublayers["mlp"], config)
+        # MoE layers with hash routing take the token ids; dense MLPs do not. Decided once, here.
+        self.mlp_routes_tokens = "input_ids" in inspect.signature(self.mlp.forward).parameters
+        if self.use_mhc:
+            self.mhc_attn = HyperConnection(m)
+            self.mhc_mlp = HyperConnection(m)
+
+    def _mlp(self, x: paddle.Tensor, input_ids: paddle.Tensor | None) -> paddle.Tensor:
+        return self.mlp(x, input_ids=input_ids) if self.mlp_routes_tokens else self.mlp(x)
+
+    def forward(self, hidden_states: paddle.Tensor, input_ids: paddle.Tensor | None = None) -> paddle.Tensor:
+        if not self.use_mhc:
+            hidden_states = hidden_states + self.self_attention(self.input_layernorm(hidden_states))
+            return hidden_states + self._mlp(self.pre_mlp_layernorm(hidden_states), input_ids)
+        post, comb, collapsed = self.mhc_attn(hidden_states)
+        attn_out = self.self_attention(self.input_layernorm(collapsed))
+        hidden_states = hyper_combine(hidden_states, attn_out, post, comb)
+        post, comb, collapsed = self.mhc_mlp(hidden_states)
+        mlp_out = self._mlp(self.pre_mlp_layernorm(collapsed), input_ids)
+        return hyper_combine(hidden_states, mlp_out, post, comb)

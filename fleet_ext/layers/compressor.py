@@ -1,0 +1,74 @@
+"""DSv4 KV compressor: gated per-channel softmax pooling of every ``ratio`` tokens into one entry.
+
+HCA (ratio 128) pools each block of ``ratio`` tokens. CSA (2 <= ratio < 128) overlaps: each entry pools
+its own block through the second half of the projected channels and the previous block through the
+first half, one softmax over the ``2 * ratio`` slots per channel (the first block's "previous" slots
+are empty). Entries are RMS-normalised and roped at their block's first position. Tokens past the last
+full block get no entry: the sliding window covers them.
+"""
+
+from __future__ import annotations
+
+import paddle
+
+from fleet_ext.config import ModelConfig
+from fleet_ext.framework.layer import FleetLayer
+from fleet_ext.layers.norm import RMSNorm
+from fleet_ext.layers.rope import RotaryTable
+
+
+def _normal(std: float) -> paddle.nn.initializer.Initializer:
+    return paddle.nn.initializer.Normal(mean=0.0, std=std)
+
+
+class Compressor(FleetLayer):
+    """Compress [b, s, D] hidden states into [b, s // ratio, head_dim] roped KV entries."""
+
+    def __init__(self, config: ModelConfig, ratio: int, head_dim: int, rope_apply) -> None:
+        super().__init__()
+        if ratio < 2:
+            raise ValueError(f"Compressor: `ratio` must be >= 2, got {ratio}")
+        self.ratio = ratio
+        self.head_dim = head_dim
+        self.overlap = ratio < 128
+        coff = 2 if self.overlap else 1
+        self.linear_wkv = paddle.nn.Linear(
+            config.hidden_size, coff * head_dim, weight_attr=_normal(config.init_method_std), bias_attr=False
+        )
+        self.linear_wgate = paddle.nn.Linear(
+            config.hidden_size, coff * head_dim, weight_attr=_normal(config.init_method_std), bias_attr=False
+        )
+        self.ape = self.create_parameter(
+            [ratio, coff * head_dim], dtype="float32", default_initializer=paddle.nn.initializer.Constant(0.0)
+        )
+        self.norm = RMSNorm(head_dim, config.rms_norm_eps)
+        self.rope_table = RotaryTable.for_layer(config, ratio)
+        self._rope = rope_apply
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        batch, seq, _ = x.shape
+        n_comp = seq // self.ratio
+        if n_comp == 0:
+            return paddle.zeros([batch, 0, self.head_dim], dtype=x.dtype)
+        usable = x[:, : n_comp * self.ratio]
+        kv = self.linear_wkv(usable).reshape([batch, n_comp, self.ratio, -1])
+        score = self.linear_wgate(usable).reshape([batch, n_comp, self.ratio, -1]).astype("float32") + self.ape
+        if self.overlap:
+            kv, score = self._overlap(kv, score)
+        weights = paddle.nn.functional.softmax(score, axis=2).astype(kv.dtype)
+        pooled = self.norm((kv * weights).sum(axis=2))
+        cos, sin = self.rope_table.cos_sin(range(0, n_comp * self.ratio, self.ratio))
+        return self._rope(pooled, cos, sin)
+
+    def _overlap(self, kv: paddle.Tensor, score: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """[b, n, r, 2d] -> [b, n, 2r, d]: previous block's first half, then this block's second half."""
+        batch, n_comp, ratio, _ = kv.shape
+        d = self.head_dim
+        empty_kv = paddle.zeros([batch, 1, ratio, d], dtype=kv.dtype)
+        empty_score = paddle.full([batch, 1, ratio, d], float("-inf"), dtype=score.dtype)
+        prev_kv = paddle.concat([empty_kv, kv[:, : n_comp - 1, :, :d]], axis=1)
+        prev_score = paddle.concat([empty_score, score[:, : n_comp - 1, :, :d]], axis=1)
+        return (
+            paddle.concat([prev_kv, kv[:, :, :, d:]], axis=2),
+            paddle.concat([prev_score, score[:, :, :, d:]], axis=2),
+        )

@@ -1,0 +1,79 @@
+"""DSv4-hybrid self-attention: low-rank query, single K=V head, partial RoPE, sparse core with sink,
+inverse RoPE on the output, optional VHA postmix, grouped low-rank output projection.
+
+The ops (RoPE, q RMS, sparse attention) arrive through ``AttentionOps`` chosen once by the backend
+provider, so ``forward`` never re-decides between reference and fused paths.
+"""
+
+from __future__ import annotations
+
+import paddle
+
+from fleet_ext.config import FleetExtConfig
+from fleet_ext.framework.backend import AttentionOps
+from fleet_ext.framework.layer import FleetLayer
+from fleet_ext.layers.compressor import _normal
+from fleet_ext.layers.csa import CompressedSparseAttention
+from fleet_ext.layers.norm import RMSNorm
+from fleet_ext.layers.rope import RotaryTable
+from fleet_ext.layers.vha import VHAPostmix
+
+
+class DSv4HybridSelfAttention(FleetLayer):
+    """[b, s, D] -> [b, s, D] for one layer whose kind is ``csa_compress_ratios[layer_number]``."""
+
+    def __init__(self, config: FleetExtConfig, layer_number: int, ops: AttentionOps) -> None:
+        super().__init__()
+        m = config.model
+        self.layer_number = layer_number
+        self.ratio = m.csa_compress_ratios[layer_number]
+        self.heads, self.head_dim = m.num_attention_heads, m.v_head_dim
+        self.groups, self.o_lora_rank = m.o_groups, m.o_lora_rank
+        self.eps = m.rms_norm_eps
+        self.ops = ops
+        std = m.init_method_std
+        self.linear_q_down_proj = paddle.nn.Linear(m.hidden_size, m.q_lora_rank, weight_attr=_normal(std), bias_attr=False)
+        self.q_layernorm = RMSNorm(m.q_lora_rank, m.rms_norm_eps)
+        self.linear_q_up_proj = paddle.nn.Linear(
+            m.q_lora_rank, self.heads * self.head_dim, weight_attr=_normal(std), bias_attr=False
+        )
+        self.linear_kv_proj = paddle.nn.Linear(m.hidden_size, self.head_dim, weight_attr=_normal(std), bias_attr=False)
+        self.kv_layernorm = RMSNorm(self.head_dim, m.rms_norm_eps)
+        self.core_attention = CompressedSparseAttention(m, self.ratio, ops.sparse_attn, ops.rope)
+        self.postmix = VHAPostmix(m) if m.use_vha_attention else None
+        group_in = self.heads * self.head_dim // self.groups
+        self.linear_o_group_proj = self.create_parameter(
+            [self.groups * self.o_lora_rank, group_in], dtype=m.params_dtype, default_initializer=_normal(std)
+        )
+        self.o_proj = paddle.nn.Linear(
+            self.groups * self.o_lora_rank, m.hidden_size, weight_attr=_normal(std), bias_attr=False
+        )
+        self.rope_table = RotaryTable.for_layer(m, self.ratio)
+
+    def forward(self, hidden_states: paddle.Tensor) -> paddle.Tensor:
+        if hidden_states.ndim != 3 or hidden_states.shape[-1] != self.linear_q_down_proj.weight.shape[0]:
+            raise ValueError(
+                f"DSv4HybridSelfAttention: `hidden_states` must be [b, s, {self.linear_q_down_proj.weight.shape[0]}], "
+                f"got shape {hidden_states.shape}"
+            )
+        batch, seq, _ = hidden_states.shape
+        q_latent = self.q_layernorm(self.linear_q_down_proj(hidden_states))
+        q = self.linear_q_up_proj(q_latent).reshape([batch, seq, self.heads, self.head_dim])
+        q = self.ops.q_rms_norm(q, self.eps)
+        kv = self.kv_layernorm(self.linear_kv_proj(hidden_states))
+        cos, sin = self.rope_table.cos_sin(range(seq))
+        q = self.ops.rope(q, cos, sin)
+        kv = self.ops.rope(kv, cos, sin)
+        out = self.core_attention(q, kv, hidden_states, q_latent)
+        out = self.ops.rope(out, cos, sin, inverse=True)
+        if self.postmix is not None:
+            out = self.postmix(out)
+        return self.o_proj(self._grouped_out_proj(out))
+
+    def _grouped_out_proj(self, out: paddle.Tensor) -> paddle.Tensor:
+        """[b, s, h, d] -> [b, s, G * r]: each group of heads through its own [r, h*d/G] block."""
+        batch, seq = out.shape[0], out.shape[1]
+        grouped = out.reshape([batch * seq, self.groups, -1]).transpose([1, 0, 2])  # [G, bs, h*d/G]
+        weight = self.linear_o_group_proj.reshape([self.groups, self.o_lora_rank, -1])  # [G, r, h*d/G]
+        projected = paddle.matmul(grouped, weight.astype(grouped.dtype), transpose_y=True)  # [G, bs, r]
+        return projected.transpose([1, 0, 2]).reshape([batch, seq, self.groups * self.o_lora_rank])

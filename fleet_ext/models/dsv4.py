@@ -1,0 +1,96 @@
+"""DSv4 causal LM: embedding, decoder layers per ``csa_compress_ratios``, mHC head, final norm, LM head."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import paddle
+
+from fleet_ext.config import FleetExtConfig, load_config
+from fleet_ext.framework.backend import BackendProvider
+from fleet_ext.framework.layer import FleetLayer
+from fleet_ext.framework.spec import build_layer
+from fleet_ext.framework.specs import decoder_layer_spec
+from fleet_ext.layers.mhc import HyperHead
+from fleet_ext.layers.norm import RMSNorm
+
+IGNORE_INDEX = -100
+
+
+class DSv4ForCausalLM(FleetLayer):
+    """``model(input_ids)`` -> logits [b, s, vocab]; ``model(input_ids, labels)`` -> (logits, loss).
+
+    ``labels`` are aligned with the inputs (Megatron convention: ``labels[:, t]`` is the token that
+    follows position t); entries equal to -100 are ignored by the mean cross-entropy.
+    """
+
+    def __init__(self, config: FleetExtConfig | dict | str | os.PathLike) -> None:
+        super().__init__()
+        if not isinstance(config, FleetExtConfig):
+            config = load_config(config)
+        self.config = config
+        m = config.model
+        self.backend = BackendProvider(config)
+        std = paddle.nn.initializer.Normal(0.0, m.init_method_std)
+        self.word_embeddings = paddle.nn.Embedding(m.vocab_size, m.hidden_size, weight_attr=std)
+        self.layers = paddle.nn.LayerList(
+            [build_layer(decoder_layer_spec(config, i, self.backend), config) for i in range(m.num_hidden_layers)]
+        )
+        self.mhc_head = HyperHead(m) if m.enable_hyper_connections else None
+        self.final_layernorm = RMSNorm(m.hidden_size, m.rms_norm_eps)
+        self.output_layer = (
+            None if m.tie_word_embeddings
+            else paddle.nn.Linear(m.hidden_size, m.vocab_size, weight_attr=std, bias_attr=False)
+        )
+
+    def _check_ids(self, name: str, ids: paddle.Tensor | None, shape: list[int] | None = None) -> None:
+        if ids is None:
+            return
+        if not isinstance(ids, paddle.Tensor) or ids.ndim != 2 or ids.dtype not in (paddle.int32, paddle.int64):
+            got = f"{ids.dtype} {ids.shape}" if isinstance(ids, paddle.Tensor) else type(ids).__name__
+            raise ValueError(f"DSv4ForCausalLM: `{name}` must be an int32/int64 tensor [batch, seq], got {got}")
+        if shape is not None and list(ids.shape) != shape:
+            raise ValueError(f"DSv4ForCausalLM: `{name}` must have the shape of `input_ids` {shape}, got {ids.shape}")
+
+    def forward(self, input_ids: paddle.Tensor, labels: paddle.Tensor | None = None) -> Any:
+        self._check_ids("input_ids", input_ids)
+        self._check_ids("labels", labels, list(input_ids.shape))
+        vocab = self.config.model.vocab_size
+        if int(input_ids.max()) >= vocab or int(input_ids.min()) < 0:
+            raise ValueError(f"DSv4ForCausalLM: `input_ids` must lie in [0, {vocab}), got "
+                             f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+        hidden = self.word_embeddings(input_ids)
+        if self.mhc_head is not None:
+            streams = self.config.model.num_residual_streams
+            hidden = hidden.unsqueeze(2).expand([*hidden.shape[:2], streams, hidden.shape[-1]])
+        for layer in self.layers:
+            hidden = layer(hidden, input_ids=input_ids)
+        if self.mhc_head is not None:
+            hidden = self.mhc_head(hidden)
+        hidden = self.final_layernorm(hidden)
+        if self.output_layer is None:
+            logits = paddle.matmul(hidden, self.word_embeddings.weight, transpose_y=True)
+        else:
+            logits = self.output_layer(hidden)
+        if labels is None:
+            return logits
+        loss = paddle.nn.functional.cross_entropy(
+            logits.reshape([-1, vocab]).astype("float32"), labels.reshape([-1]).astype("int64"),
+            ignore_index=IGNORE_INDEX, reduction="mean",
+        )
+        return logits, loss
+
+    # -- Hugging Face interop -------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, **overrides: Any) -> DSv4ForCausalLM:
+        """Load a transformers DeepSeek-V4 checkpoint directory (config.json + *.safetensors)."""
+        from fleet_ext.checkpoint.hf_dsv4 import load_hf_checkpoint
+
+        return load_hf_checkpoint(cls, path, **overrides)
+
+    def save_pretrained(self, path: str | os.PathLike) -> None:
+        """Write a directory that ``transformers.DeepseekV4ForCausalLM.from_pretrained`` loads."""
+        from fleet_ext.checkpoint.hf_dsv4 import save_hf_checkpoint
+
+        save_hf_checkpoint(self, path)
