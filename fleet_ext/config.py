@@ -125,9 +125,7 @@ class ModelConfig:
     dsa_index_topk: int = _key(512, "Compressed entries each query keeps in CSA layers.")
     dsa_indexer_loss_coeff: float = _key(0.0, "Weight of the indexer KL loss (trained in the sparse-MQA issue).")
     dsa_indexer_use_sparse_loss: bool = _key(False, "Indexer KL over the selected set (sparse phase).")
-    hybrid_mla_attention: str = _key(
-        "mha", "Core of the -2 layers.", ("mha", "mqa_full_causal", "mqa_dsa")
-    )
+    hybrid_mla_attention: str = _key("mha", "Core of the -2 layers.", ("mha", "mqa_full_causal", "mqa_dsa"))
     use_vha_attention: bool = _key(False, "Virtual Head Attention postmix M = I + V U^T on the attention output.")
     vha_postmix_rank: int | None = _key(None, "Rank r of the postmix; None means num_attention_heads // 4 (>= 1).")
     vha_postmix_grouped: bool = _key(False, "Block-diagonal postmix, one block per output group.")
@@ -143,19 +141,37 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _positive(
-            self, "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank",
-            "v_head_dim", "qk_pos_emb_head_dim", "csa_window_size", "o_groups", "o_lora_rank",
-            "dsa_index_n_heads", "dsa_index_head_dim", "dsa_index_topk", "num_residual_streams",
-            "mhc_sinkhorn_iterations", "max_position_embeddings", "original_max_position_embeddings",
+            self,
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "q_lora_rank",
+            "v_head_dim",
+            "qk_pos_emb_head_dim",
+            "csa_window_size",
+            "o_groups",
+            "o_lora_rank",
+            "dsa_index_n_heads",
+            "dsa_index_head_dim",
+            "dsa_index_topk",
+            "num_residual_streams",
+            "mhc_sinkhorn_iterations",
+            "max_position_embeddings",
+            "original_max_position_embeddings",
         )
         if self.num_nextn_predict_layers != 0:
             _not_yet(
-                "num_nextn_predict_layers", self.num_nextn_predict_layers, "building MTP layers",
+                "num_nextn_predict_layers",
+                self.num_nextn_predict_layers,
+                "building MTP layers",
                 "set `num_nextn_predict_layers: 0` (HF imports drop the MTP weights)",
             )
         if self.qk_pos_emb_head_dim % 2 or self.qk_pos_emb_head_dim > self.v_head_dim:
             _fail(
-                "qk_pos_emb_head_dim", self.qk_pos_emb_head_dim, f"an even integer <= v_head_dim ({self.v_head_dim})",
+                "qk_pos_emb_head_dim",
+                self.qk_pos_emb_head_dim,
+                f"an even integer <= v_head_dim ({self.v_head_dim})",
                 "interleaved RoPE rotates channel pairs inside the head",
             )
         ratios = self.csa_compress_ratios
@@ -163,8 +179,10 @@ class ModelConfig:
         if not isinstance(ratios, list) or len(ratios) != want:
             got = len(ratios) if isinstance(ratios, list) else type(ratios).__name__
             _fail(
-                "csa_compress_ratios", ratios, f"a list of {want} integers (num_hidden_layers + "
-                f"num_nextn_predict_layers), got length {got}", "give one entry per layer",
+                "csa_compress_ratios",
+                ratios,
+                f"a list of {want} integers (num_hidden_layers + num_nextn_predict_layers), got length {got}",
+                "give one entry per layer",
             )
         for r in ratios:
             if not isinstance(r, int) or isinstance(r, bool):
@@ -172,48 +190,65 @@ class ModelConfig:
             layer_kind(r)
         if HYBRID_MLA in ratios:
             _not_yet(
-                "csa_compress_ratios", ratios, "the -2 hybrid-MLA sparse-MQA layer (its own issue)",
+                "csa_compress_ratios",
+                ratios,
+                "the -2 hybrid-MLA sparse-MQA layer (its own issue)",
                 "use 0, 2..127, 128 or -1 for now",
             )
         if self.hybrid_mla_attention != "mha":
             _not_yet(
-                "hybrid_mla_attention", self.hybrid_mla_attention, "latent MQA for -2 layers",
+                "hybrid_mla_attention",
+                self.hybrid_mla_attention,
+                "latent MQA for -2 layers",
                 "leave `hybrid_mla_attention: mha` until -2 layers land",
             )
         if self.mscale != 1.0:
             _fail("mscale", self.mscale, "1.0", "DSv4 forces YaRN mscale to 1 (RoPE stays norm-preserving)")
-        for key in ("rotary_base", "csa_compress_rotary_base", "rotary_scaling_factor", "rms_norm_eps",
-                    "mhc_eps", "init_method_std"):
+        for key in (
+            "rotary_base",
+            "csa_compress_rotary_base",
+            "rotary_scaling_factor",
+            "rms_norm_eps",
+            "mhc_eps",
+            "init_method_std",
+        ):
             value = getattr(self, key)
             if not value > 0:
                 _fail(key, value, "a positive number", f"set `{key}` > 0")
         if (self.num_attention_heads * self.v_head_dim) % self.o_groups:
             _fail(
-                "o_groups", self.o_groups,
+                "o_groups",
+                self.o_groups,
                 f"a divisor of num_attention_heads * v_head_dim = {self.num_attention_heads * self.v_head_dim}",
                 "pick o_groups that splits the heads evenly",
             )
         has_indexer = any(2 <= r < HCA_RATIO for r in ratios) and not self.csa_dense_mode
         if has_indexer and self.dsa_index_head_dim < self.qk_pos_emb_head_dim:
             _fail(
-                "dsa_index_head_dim", self.dsa_index_head_dim,
+                "dsa_index_head_dim",
+                self.dsa_index_head_dim,
                 f">= qk_pos_emb_head_dim ({self.qk_pos_emb_head_dim})",
                 "the indexer ropes its trailing qk_pos_emb_head_dim channels",
             )
         if has_indexer and (self.dsa_indexer_loss_coeff or self.dsa_indexer_use_sparse_loss):
             _not_yet(
-                "dsa_indexer_loss_coeff", self.dsa_indexer_loss_coeff, "training the CSA indexer with its KL loss",
+                "dsa_indexer_loss_coeff",
+                self.dsa_indexer_loss_coeff,
+                "training the CSA indexer with its KL loss",
                 "set `dsa_indexer_loss_coeff: 0.0` and `dsa_indexer_use_sparse_loss: false` for now",
             )
         if self.vha_postmix_rank is not None and not 1 <= self.vha_postmix_rank <= self.num_attention_heads:
             _fail(
-                "vha_postmix_rank", self.vha_postmix_rank, f"None or 1..num_attention_heads ({self.num_attention_heads})",
+                "vha_postmix_rank",
+                self.vha_postmix_rank,
+                f"None or 1..num_attention_heads ({self.num_attention_heads})",
                 "omit it for the default num_attention_heads // 4",
             )
         if self.use_vha_attention and self.vha_postmix_grouped and self.num_attention_heads % self.o_groups:
             _fail(
-                "vha_postmix_grouped", True,
-                f"only when num_attention_heads ({self.num_attention_heads}) is divisible by o_groups ({self.o_groups})",
+                "vha_postmix_grouped",
+                True,
+                f"only when num_attention_heads ({self.num_attention_heads}) divides by o_groups ({self.o_groups})",
                 "use the ungrouped postmix or change o_groups",
             )
         if self.pad_token_id < 0 or self.pad_token_id >= self.vocab_size:
@@ -244,9 +279,7 @@ class MoEConfig:
     swiglu_limit: float = _key(10.0, "Clamp of the SwiGLU gate (max) and up (both sides); 0 disables.")
     moe_router_enable_expert_bias: bool = _key(True, "Aux-loss-free balancing bias, used only for selection.")
     moe_router_bias_update_rate: float = _key(1e-3, "Step gamma of the bias update b -= gamma * sign(load - mean).")
-    moe_router_load_balancing_type: str = _key(
-        "none", "Auxiliary balancing loss.", ("none", "seq_aux_loss")
-    )
+    moe_router_load_balancing_type: str = _key("none", "Auxiliary balancing loss.", ("none", "seq_aux_loss"))
     moe_aux_loss_coeff: float = _key(1e-4, "Coefficient of the sequence-wise aux loss.")
     first_k_dense_replace: int = _key(0, "The first K layers use a dense SwiGLU MLP instead of MoE.")
     intermediate_size: int = _key(11264, "Hidden width of the dense MLP layers.")
@@ -255,7 +288,9 @@ class MoEConfig:
         _positive(self, "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "intermediate_size")
         if self.num_experts_per_tok > self.n_routed_experts:
             _fail(
-                "num_experts_per_tok", self.num_experts_per_tok, f"<= n_routed_experts ({self.n_routed_experts})",
+                "num_experts_per_tok",
+                self.num_experts_per_tok,
+                f"<= n_routed_experts ({self.n_routed_experts})",
                 "route to fewer experts or add experts",
             )
         for key in ("n_shared_experts", "moe_n_hash_layers", "first_k_dense_replace"):
@@ -276,33 +311,54 @@ class ParallelConfig:
     expert_model_parallel_size: int = _key(1, "Expert parallelism of the routed experts.")
     sequence_parallel: bool = _key(False, "Megatron sequence parallelism (needs tensor parallelism).")
     cp_balance_mode: str = _key(
-        "contiguous_allgather", "CP token layout; DSv4 layers need contiguous_allgather.",
+        "contiguous_allgather",
+        "CP token layout; DSv4 layers need contiguous_allgather.",
         ("contiguous_allgather", "dualchunk_allgather"),
     )
 
     def __post_init__(self) -> None:
-        _positive(self, "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                  "expert_model_parallel_size")
+        _positive(
+            self,
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+            "expert_model_parallel_size",
+        )
         if self.tensor_model_parallel_size != 1:
             _fail(
-                "tensor_model_parallel_size", self.tensor_model_parallel_size, "1",
+                "tensor_model_parallel_size",
+                self.tensor_model_parallel_size,
+                "1",
                 "DSv4 hybrid attention does not support tensor parallelism (as in PaddleFleet); "
                 "scale with data, expert or context parallelism instead",
             )
         if self.sequence_parallel:
             _fail("sequence_parallel", True, "false", "sequence parallelism needs tensor parallelism, which DSv4 lacks")
         if self.pipeline_model_parallel_size != 1:
-            _not_yet("pipeline_model_parallel_size", self.pipeline_model_parallel_size, "pipeline parallelism",
-                     "set it to 1")
+            _not_yet(
+                "pipeline_model_parallel_size", self.pipeline_model_parallel_size, "pipeline parallelism", "set it to 1"
+            )
         if self.context_parallel_size != 1:
-            _not_yet("context_parallel_size", self.context_parallel_size, "context parallelism",
-                     "set it to 1 until the CP issue lands")
+            _not_yet(
+                "context_parallel_size",
+                self.context_parallel_size,
+                "context parallelism",
+                "set it to 1 until the CP issue lands",
+            )
         if self.expert_model_parallel_size != 1:
-            _not_yet("expert_model_parallel_size", self.expert_model_parallel_size, "expert parallelism",
-                     "set it to 1 until the EP issue lands")
+            _not_yet(
+                "expert_model_parallel_size",
+                self.expert_model_parallel_size,
+                "expert parallelism",
+                "set it to 1 until the EP issue lands",
+            )
         if self.cp_balance_mode != "contiguous_allgather":
-            _fail("cp_balance_mode", self.cp_balance_mode, "'contiguous_allgather' for DSv4 layers",
-                  "DSv4 compressors need contiguous sequence shards, as in PaddleFleet")
+            _fail(
+                "cp_balance_mode",
+                self.cp_balance_mode,
+                "'contiguous_allgather' for DSv4 layers",
+                "DSv4 compressors need contiguous sequence shards, as in PaddleFleet",
+            )
 
 
 @dataclass
@@ -316,12 +372,20 @@ class RecomputeConfig:
 
     def __post_init__(self) -> None:
         if self.recompute_granularity is not None:
-            _not_yet("recompute_granularity", self.recompute_granularity, "activation recompute",
-                     "leave `recompute_granularity` unset (null) until the recompute issue lands")
+            _not_yet(
+                "recompute_granularity",
+                self.recompute_granularity,
+                "activation recompute",
+                "leave `recompute_granularity` unset (null) until the recompute issue lands",
+            )
         for key in ("recompute_method", "recompute_num_layers", "recompute_modules"):
             if getattr(self, key) is not None:
-                _fail(key, getattr(self, key), "null while recompute_granularity is null",
-                      "remove the key or set recompute_granularity")
+                _fail(
+                    key,
+                    getattr(self, key),
+                    "null while recompute_granularity is null",
+                    "remove the key or set recompute_granularity",
+                )
 
 
 @dataclass
@@ -487,15 +551,26 @@ class FleetExtConfig:
     def __post_init__(self) -> None:
         m, moe = self.model, self.moe
         if moe.moe_n_hash_layers > m.num_hidden_layers:
-            _fail("moe_n_hash_layers", moe.moe_n_hash_layers, f"<= num_hidden_layers ({m.num_hidden_layers})",
-                  "lower the number of hash-routed layers")
+            _fail(
+                "moe_n_hash_layers",
+                moe.moe_n_hash_layers,
+                f"<= num_hidden_layers ({m.num_hidden_layers})",
+                "lower the number of hash-routed layers",
+            )
         if moe.first_k_dense_replace > m.num_hidden_layers:
-            _fail("first_k_dense_replace", moe.first_k_dense_replace, f"<= num_hidden_layers ({m.num_hidden_layers})",
-                  "lower the number of dense layers")
+            _fail(
+                "first_k_dense_replace",
+                moe.first_k_dense_replace,
+                f"<= num_hidden_layers ({m.num_hidden_layers})",
+                "lower the number of dense layers",
+            )
         if moe.moe_n_hash_layers and moe.first_k_dense_replace:
-            _fail("first_k_dense_replace", moe.first_k_dense_replace,
-                  "0 when moe_n_hash_layers > 0 (hash-routed layers are the first MoE layers, as in DSv4)",
-                  "use either dense first layers or hash-routed first layers")
+            _fail(
+                "first_k_dense_replace",
+                moe.first_k_dense_replace,
+                "0 when moe_n_hash_layers > 0 (hash-routed layers are the first MoE layers, as in DSv4)",
+                "use either dense first layers or hash-routed first layers",
+            )
 
     # -- YAML / dict -------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -556,7 +631,9 @@ def load_config(source: str | os.PathLike | dict | None = None, **overrides: Any
         if key in SECTIONS and isinstance(value, dict):
             for sub_key, sub_value in value.items():
                 if _check_key(sub_key) != key:
-                    raise ValueError(f"config key `{sub_key}` belongs to section `{_KEY_TO_SECTION[sub_key]}`, not `{key}`")
+                    raise ValueError(
+                        f"config key `{sub_key}` belongs to section `{_KEY_TO_SECTION[sub_key]}`, not `{key}`"
+                    )
                 flat[sub_key] = sub_value
         else:
             flat[key] = value

@@ -41,7 +41,9 @@ _LAYER_MAP: dict[str, tuple[str, bool]] = {
     "attn.indexer.weights_proj.weight": ("self_attention.core_attention.indexer.linear_weights_proj.weight", True),
     "attn.indexer.compressor.wkv.weight": ("self_attention.core_attention.indexer.compressor.linear_wkv.weight", True),
     "attn.indexer.compressor.wgate.weight": (
-        "self_attention.core_attention.indexer.compressor.linear_wgate.weight", True),
+        "self_attention.core_attention.indexer.compressor.linear_wgate.weight",
+        True,
+    ),
     "attn.indexer.compressor.ape": ("self_attention.core_attention.indexer.compressor.ape", False),
     "attn.indexer.compressor.norm.weight": ("self_attention.core_attention.indexer.compressor.norm.weight", False),
     "attn_norm.weight": ("input_layernorm.weight", False),
@@ -176,12 +178,19 @@ def config_to_hf(config) -> dict[str, Any]:
     if problems:
         raise ValueError("cannot export to Hugging Face DeepSeek-V4: " + "; ".join(problems))
     kind = {0: _SWA, 128: _HCA}
-    compress: dict[str, Any] = {"rope_theta": m.csa_compress_rotary_base,
-                                "partial_rotary_factor": m.qk_pos_emb_head_dim / m.v_head_dim}
+    compress: dict[str, Any] = {
+        "rope_theta": m.csa_compress_rotary_base,
+        "partial_rotary_factor": m.qk_pos_emb_head_dim / m.v_head_dim,
+    }
     if m.csa_rope_type == "yarn":
-        compress.update(rope_type="yarn", factor=m.rotary_scaling_factor, attention_factor=1.0,
-                        original_max_position_embeddings=m.original_max_position_embeddings,
-                        beta_fast=m.beta_fast, beta_slow=m.beta_slow)
+        compress.update(
+            rope_type="yarn",
+            factor=m.rotary_scaling_factor,
+            attention_factor=1.0,
+            original_max_position_embeddings=m.original_max_position_embeddings,
+            beta_fast=m.beta_fast,
+            beta_slow=m.beta_slow,
+        )
     else:
         compress["rope_type"] = "default"
     return {
@@ -224,8 +233,11 @@ def config_to_hf(config) -> dict[str, Any]:
         "pad_token_id": m.pad_token_id,
         "partial_rotary_factor": m.qk_pos_emb_head_dim / m.v_head_dim,
         "rope_parameters": {
-            "main": {"rope_type": "default", "rope_theta": m.rotary_base,
-                     "partial_rotary_factor": m.qk_pos_emb_head_dim / m.v_head_dim},
+            "main": {
+                "rope_type": "default",
+                "rope_theta": m.rotary_base,
+                "partial_rotary_factor": m.qk_pos_emb_head_dim / m.v_head_dim,
+            },
             "compress": compress,
         },
         "dtype": "float32",
@@ -238,7 +250,7 @@ def config_to_hf(config) -> dict[str, Any]:
 def _official_name(key: str) -> str:
     """Normalise transformers' saved spelling to the official one (no ``model.`` prefix)."""
     if key.startswith("model."):
-        key = key[len("model."):]
+        key = key[len("model.") :]
     return _GLOBAL_ALIASES.get(key, key)
 
 
@@ -262,13 +274,15 @@ def hf_to_fleet_state(tensors: dict[str, np.ndarray], n_experts: int) -> dict[st
         if expert is not None:
             slot = int(expert.group(2)) if expert.group(2) is not None else -1
             experts.setdefault((layer, "routed" if slot >= 0 else "shared"), {}).setdefault(slot, {})[
-                expert.group(3)] = value
+                expert.group(3)
+            ] = value
             continue
         if suffix not in _LAYER_MAP:
             raise ValueError(f"Hugging Face checkpoint: unexpected tensor {raw_key!r}")
         name, transpose = _LAYER_MAP[suffix]
         out[f"layers.{layer}.{name}"] = value.T if transpose else value
     for (layer, kind), slots in experts.items():
+
         def fc1(w: dict[str, np.ndarray]) -> np.ndarray:
             return np.concatenate([w["w1"].T, w["w3"].T], axis=-1)
 
@@ -277,7 +291,9 @@ def hf_to_fleet_state(tensors: dict[str, np.ndarray], n_experts: int) -> dict[st
             out[f"layers.{layer}.mlp.shared_experts.linear_fc2.weight"] = slots[-1]["w2"].T
             continue
         if sorted(slots) != list(range(n_experts)):
-            raise ValueError(f"Hugging Face checkpoint: layer {layer} has experts {sorted(slots)}, expected 0..{n_experts - 1}")
+            raise ValueError(
+                f"Hugging Face checkpoint: layer {layer} has experts {sorted(slots)}, expected 0..{n_experts - 1}"
+            )
         out[f"layers.{layer}.mlp.experts.weight1"] = np.stack([fc1(slots[e]) for e in range(n_experts)])
         out[f"layers.{layer}.mlp.experts.weight2"] = np.stack([slots[e]["w2"].T for e in range(n_experts)])
     return out
@@ -361,7 +377,9 @@ def _assign(model, state: dict[str, np.ndarray]) -> None:
     for name, tensor in own.items():
         value = state[name]
         if list(value.shape) != list(tensor.shape):
-            raise ValueError(f"checkpoint tensor {name!r} has shape {list(value.shape)}, the model expects {tensor.shape}")
+            raise ValueError(
+                f"checkpoint tensor {name!r} has shape {list(value.shape)}, the model expects {tensor.shape}"
+            )
         tensor.set_value(value.astype(tensor.numpy().dtype, copy=False))
 
 

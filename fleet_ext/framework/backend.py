@@ -45,8 +45,13 @@ class BackendProvider:
         rope = self._resolve("apply_rope_fusion", fusion.apply_rope_fusion, apply_partial_rope)
         q_norm = self._resolve("dsv4_q_rms_norm_fusion", fusion.dsv4_q_rms_norm_fusion, q_rms_norm)
         sparse = self._resolve("csa_sparse_attn_backend", fusion.csa_sparse_attn_backend, sparse_attention_with_sink)
-        for name in ("fuse_inv_rope_into_vha_postmix", "sparse_attn_global_kv_idx_remap_fusion",
-                     "dsa_sink_grad_fusion", "use_fused_mhc", "mqa_sparse_attn_backend"):
+        for name in (
+            "fuse_inv_rope_into_vha_postmix",
+            "sparse_attn_global_kv_idx_remap_fusion",
+            "dsa_sink_grad_fusion",
+            "use_fused_mhc",
+            "mqa_sparse_attn_backend",
+        ):
             self._resolve(name, getattr(fusion, name), None)
         self.attention_ops = AttentionOps(rope=rope, q_rms_norm=q_norm, sparse_attn=sparse)
 

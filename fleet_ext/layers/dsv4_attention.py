@@ -32,7 +32,9 @@ class DSv4HybridSelfAttention(FleetLayer):
         self.eps = m.rms_norm_eps
         self.ops = ops
         std = m.init_method_std
-        self.linear_q_down_proj = paddle.nn.Linear(m.hidden_size, m.q_lora_rank, weight_attr=_normal(std), bias_attr=False)
+        self.linear_q_down_proj = paddle.nn.Linear(
+            m.hidden_size, m.q_lora_rank, weight_attr=_normal(std), bias_attr=False
+        )
         self.q_layernorm = RMSNorm(m.q_lora_rank, m.rms_norm_eps)
         self.linear_q_up_proj = paddle.nn.Linear(
             m.q_lora_rank, self.heads * self.head_dim, weight_attr=_normal(std), bias_attr=False

@@ -35,12 +35,16 @@ class HyperConnection(FleetLayer):
         self.n, self.iterations = n, config.mhc_sinkhorn_iterations
         self.eps, self.norm_eps = config.mhc_eps, config.rms_norm_eps
         self.fn = self.create_parameter(
-            [(2 + n) * n, n * width], dtype="float32",
+            [(2 + n) * n, n * width],
+            dtype="float32",
             default_initializer=paddle.nn.initializer.Normal(0.0, config.init_method_std),
         )
-        self.base = self.create_parameter([(2 + n) * n], dtype="float32",
-                                          default_initializer=paddle.nn.initializer.Constant(0.0))
-        self.scale = self.create_parameter([3], dtype="float32", default_initializer=paddle.nn.initializer.Constant(1.0))
+        self.base = self.create_parameter(
+            [(2 + n) * n], dtype="float32", default_initializer=paddle.nn.initializer.Constant(0.0)
+        )
+        self.scale = self.create_parameter(
+            [3], dtype="float32", default_initializer=paddle.nn.initializer.Constant(1.0)
+        )
 
     def forward(self, streams: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
         """streams [b, s, n, D] -> (post [b, s, n], comb [b, s, n, n], collapsed block input [b, s, D])."""
@@ -57,7 +61,9 @@ class HyperConnection(FleetLayer):
         return post, comb, collapsed
 
 
-def hyper_combine(streams: paddle.Tensor, block_out: paddle.Tensor, post: paddle.Tensor, comb: paddle.Tensor) -> paddle.Tensor:
+def hyper_combine(
+    streams: paddle.Tensor, block_out: paddle.Tensor, post: paddle.Tensor, comb: paddle.Tensor
+) -> paddle.Tensor:
     """``X'_k = post_k * f + sum_j comb[j, k] X_j`` for streams [b, s, n, D] and f [b, s, D]."""
     dtype = streams.dtype
     mixed = paddle.matmul(comb.astype(dtype), streams, transpose_x=True)
@@ -72,10 +78,14 @@ class HyperHead(FleetLayer):
         n, width = config.num_residual_streams, config.hidden_size
         self.eps, self.norm_eps = config.mhc_eps, config.rms_norm_eps
         self.fn = self.create_parameter(
-            [n, n * width], dtype="float32", default_initializer=paddle.nn.initializer.Normal(0.0, config.init_method_std)
+            [n, n * width],
+            dtype="float32",
+            default_initializer=paddle.nn.initializer.Normal(0.0, config.init_method_std),
         )
         self.base = self.create_parameter([n], dtype="float32", default_initializer=paddle.nn.initializer.Constant(0.0))
-        self.scale = self.create_parameter([1], dtype="float32", default_initializer=paddle.nn.initializer.Constant(1.0))
+        self.scale = self.create_parameter(
+            [1], dtype="float32", default_initializer=paddle.nn.initializer.Constant(1.0)
+        )
 
     def forward(self, streams: paddle.Tensor) -> paddle.Tensor:
         batch, seq = streams.shape[0], streams.shape[1]

@@ -31,7 +31,9 @@ class VHAPostmix(FleetLayer):
     def mixing_matrix(self) -> paddle.Tensor:
         """M = I + V U^T: [h, h], or [G, h/G, h/G] when grouped."""
         size = self.vha_postmix_U.shape[-2]
-        return paddle.eye(size, dtype="float32") + paddle.matmul(self.vha_postmix_V, self.vha_postmix_U, transpose_y=True)
+        return paddle.eye(size, dtype="float32") + paddle.matmul(
+            self.vha_postmix_V, self.vha_postmix_U, transpose_y=True
+        )
 
     def forward(self, o: paddle.Tensor) -> paddle.Tensor:
         mix = self.mixing_matrix().astype(o.dtype)

@@ -40,7 +40,8 @@ class DSv4ForCausalLM(FleetLayer):
         self.mhc_head = HyperHead(m) if m.enable_hyper_connections else None
         self.final_layernorm = RMSNorm(m.hidden_size, m.rms_norm_eps)
         self.output_layer = (
-            None if m.tie_word_embeddings
+            None
+            if m.tie_word_embeddings
             else paddle.nn.Linear(m.hidden_size, m.vocab_size, weight_attr=std, bias_attr=False)
         )
 
@@ -58,8 +59,10 @@ class DSv4ForCausalLM(FleetLayer):
         self._check_ids("labels", labels, list(input_ids.shape))
         vocab = self.config.model.vocab_size
         if int(input_ids.max()) >= vocab or int(input_ids.min()) < 0:
-            raise ValueError(f"DSv4ForCausalLM: `input_ids` must lie in [0, {vocab}), got "
-                             f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+            raise ValueError(
+                f"DSv4ForCausalLM: `input_ids` must lie in [0, {vocab}), got "
+                f"[{int(input_ids.min())}, {int(input_ids.max())}]"
+            )
         hidden = self.word_embeddings(input_ids)
         if self.mhc_head is not None:
             streams = self.config.model.num_residual_streams
@@ -76,8 +79,10 @@ class DSv4ForCausalLM(FleetLayer):
         if labels is None:
             return logits
         loss = paddle.nn.functional.cross_entropy(
-            logits.reshape([-1, vocab]).astype("float32"), labels.reshape([-1]).astype("int64"),
-            ignore_index=IGNORE_INDEX, reduction="mean",
+            logits.reshape([-1, vocab]).astype("float32"),
+            labels.reshape([-1]).astype("int64"),
+            ignore_index=IGNORE_INDEX,
+            reduction="mean",
         )
         return logits, loss
 

@@ -28,18 +28,24 @@ def sparse_attention_with_sink(
     if q.ndim != 4:
         raise ValueError(f"sparse_attention_with_sink: `q` must be [B, S, H, d], got shape {q.shape}")
     if kv.ndim != 3 or kv.shape[0] != q.shape[0] or kv.shape[-1] != q.shape[-1]:
-        raise ValueError(f"sparse_attention_with_sink: `kv` must be [B, N, {q.shape[-1]}] with B={q.shape[0]}, "
-                         f"got shape {kv.shape}")
+        raise ValueError(
+            f"sparse_attention_with_sink: `kv` must be [B, N, {q.shape[-1]}] with B={q.shape[0]}, got shape {kv.shape}"
+        )
     if idx.ndim != 3 or tuple(idx.shape[:2]) != tuple(q.shape[:2]):
-        raise ValueError(f"sparse_attention_with_sink: `idx` must be [B, S, K] with B, S = {q.shape[:2]}, "
-                         f"got shape {idx.shape}")
+        raise ValueError(
+            f"sparse_attention_with_sink: `idx` must be [B, S, K] with B, S = {q.shape[:2]}, got shape {idx.shape}"
+        )
     if sink.shape != [q.shape[2]] or sink.dtype != paddle.float32:
-        raise ValueError(f"sparse_attention_with_sink: `sink` must be fp32 [{q.shape[2]}], got {sink.dtype} {sink.shape}")
+        raise ValueError(
+            f"sparse_attention_with_sink: `sink` must be fp32 [{q.shape[2]}], got {sink.dtype} {sink.shape}"
+        )
     batch, seq, heads, dim = q.shape
     n_kv, width = kv.shape[1], idx.shape[2]
     flat_idx = remap(idx, n_kv)  # [B*S, K]
     valid = flat_idx >= 0
-    gathered = paddle.gather(kv.reshape([batch * n_kv, dim]), paddle.where(valid, flat_idx, paddle.zeros_like(flat_idx)).reshape([-1]))
+    gathered = paddle.gather(
+        kv.reshape([batch * n_kv, dim]), paddle.where(valid, flat_idx, paddle.zeros_like(flat_idx)).reshape([-1])
+    )
     gathered = gathered.reshape([batch, seq, width, dim]).astype("float32")
     qf = q.astype("float32")
     logits = paddle.matmul(qf, gathered, transpose_y=True) * scale  # [B, S, H, K]

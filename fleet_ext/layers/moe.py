@@ -1,0 +1,382 @@
+"""DeepSeekMoE as in DSv4: routers (learned top-k and hash), grouped experts, the MoE layer.
+
+Semantics follow Hugging Face ``modeling_deepseek_v4`` (``DeepseekV4TopKRouter``, ``DeepseekV4HashRouter``,
+``DeepseekV4Experts``, ``DeepseekV4SparseMoeBlock``) so imported HF weights give the same logits; the
+training extras (aux-loss-free bias update, sequence-wise aux loss) follow Megatron-core's router.
+
+Parameter names (stable, Megatron style, Paddle [in, out] layout):
+``router.weight`` [E, D] fp32, ``router.expert_bias`` [E] fp32 (top-k layers with the bias on) or
+``router.tid2eid`` [vocab, k] int64 (hash layers), ``experts.weight1`` [E, D, 2I] (``gate | up``),
+``experts.weight2`` [E, I, D], ``shared_experts.linear_fc1.weight`` [D, 2F], ``shared_experts.linear_fc2.weight``
+[F, D] with F = n_shared_experts * moe_intermediate_size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import paddle
+import paddle.nn.functional as F
+from paddle.autograd import PyLayer
+
+from fleet_ext.framework.layer import FleetLayer
+from fleet_ext.layers.mlp import SwiGLUMLP, check_hidden, clamped_swiglu
+
+__all__ = [
+    "SCORING_FUNCS",
+    "router_scores",
+    "gather_routing_weights",
+    "sequence_aux_loss",
+    "MoEAuxLossAutoScaler",
+    "TopKRouter",
+    "HashRouter",
+    "GroupedExperts",
+    "MoELayer",
+]
+
+SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
+_INT_DTYPES = (paddle.int32, paddle.int64)
+_NORM_EPS = 1e-20  # as HF/official DSv4: only guards an all-zero row of selected scores
+
+
+# --------------------------------------------------------------------------------------------------
+# Routing maths (pure functions, fp32).
+# --------------------------------------------------------------------------------------------------
+def router_scores(logits: paddle.Tensor, scoring_func: str) -> paddle.Tensor:
+    """Per-expert scores from gate logits [T, E]; DSv4 uses sqrt(softplus) (non-negative, unnormalised)."""
+    if scoring_func == "sqrtsoftplus":
+        return paddle.sqrt(F.softplus(logits))
+    if scoring_func == "sigmoid":
+        return F.sigmoid(logits)
+    if scoring_func == "softmax":
+        return F.softmax(logits, axis=-1)
+    raise ValueError(f"config key `scoring_func` = {scoring_func!r} is invalid: allowed {list(SCORING_FUNCS)}")
+
+
+def gather_routing_weights(
+    scores: paddle.Tensor, indices: paddle.Tensor, norm_topk_prob: bool, scaling: float
+) -> paddle.Tensor:
+    """Unbiased scores at the selected experts, renormalised (the scoring is not a softmax) and scaled."""
+    weights = paddle.take_along_axis(scores, indices, axis=-1)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(axis=-1, keepdim=True) + _NORM_EPS)
+    return weights * scaling
+
+
+def sequence_aux_loss(
+    scores: paddle.Tensor, indices: paddle.Tensor, batch: int, seq: int, coeff: float
+) -> paddle.Tensor:
+    """DeepSeek-V3 sequence-wise balance loss ``coeff * mean_b sum_i f_i P_i``.
+
+    f_i = E / (k S) * (tokens of the sequence routed to i) is a constant; P_i = mean over the
+    sequence of s_i / sum_j s_j carries the gradient into the router.
+    """
+    num_experts, topk = scores.shape[-1], indices.shape[-1]
+    probs = scores / (scores.sum(axis=-1, keepdim=True) + _NORM_EPS)
+    p_mean = probs.reshape([batch, seq, num_experts]).mean(axis=1)
+    with paddle.no_grad():
+        counts = F.one_hot(indices, num_experts).astype(scores.dtype).sum(axis=1)
+        f = counts.reshape([batch, seq, num_experts]).sum(axis=1) * (num_experts / (topk * seq))
+    return (f * p_mean).sum(axis=-1).mean() * coeff
+
+
+class MoEAuxLossAutoScaler(PyLayer):
+    """Identity on ``output`` whose backward also feeds ``d(aux_loss) = scale`` (Megatron's trick).
+
+    This adds the aux loss gradient to the router without touching the forward value or the
+    training loss. ``main_loss_backward_scale`` is set by the trainer (loss scale / micro-batches).
+    """
+
+    main_loss_backward_scale: float = 1.0
+
+    @staticmethod
+    def forward(ctx: Any, output: paddle.Tensor, aux_loss: paddle.Tensor) -> paddle.Tensor:
+        ctx.save_for_backward(aux_loss)
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
+        (aux_loss,) = ctx.saved_tensor()
+        return grad_output, paddle.ones_like(aux_loss) * MoEAuxLossAutoScaler.main_loss_backward_scale
+
+    @staticmethod
+    def set_loss_scale(scale: float) -> None:
+        """Scale of the aux-loss gradient (the main loss's backward scale)."""
+        MoEAuxLossAutoScaler.main_loss_backward_scale = float(scale)
+
+
+# --------------------------------------------------------------------------------------------------
+# Routers.
+# --------------------------------------------------------------------------------------------------
+class _RouterBase(FleetLayer):
+    """Learned gate ``weight`` [E, D] (fp32) and its scores; counts selections for load balancing."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        moe = config.moe
+        if moe.scoring_func not in SCORING_FUNCS:
+            raise ValueError(
+                f"config key `scoring_func` = {moe.scoring_func!r} is invalid: allowed {list(SCORING_FUNCS)}"
+            )
+        self.hidden_size = config.model.hidden_size
+        self.num_experts = moe.n_routed_experts
+        self.topk = moe.num_experts_per_tok
+        self.scoring_func = moe.scoring_func
+        self.norm_topk_prob = moe.norm_topk_prob
+        self.routed_scaling_factor = moe.routed_scaling_factor
+        self.aux_loss: paddle.Tensor | None = None
+        self.weight = self.create_parameter(
+            [self.num_experts, self.hidden_size],
+            dtype="float32",
+            default_initializer=paddle.nn.initializer.Normal(mean=0.0, std=config.model.init_method_std),
+        )
+        # Selections per expert since the last bias update (not saved: a step-local statistic).
+        self.register_buffer(
+            "local_tokens_per_expert", paddle.zeros([self.num_experts], dtype="float32"), persistable=False
+        )
+
+    def _scores(self, hidden_states: paddle.Tensor) -> paddle.Tensor:
+        """fp32 logits ``x W^T`` (routing decisions are precision-sensitive) through the score function."""
+        flat = hidden_states.reshape([-1, self.hidden_size]).astype("float32")
+        return router_scores(paddle.matmul(flat, self.weight, transpose_y=True), self.scoring_func)
+
+    def _count(self, indices: paddle.Tensor) -> None:
+        if not self.training:
+            return
+        with paddle.no_grad():
+            counts = paddle.bincount(indices.reshape([-1]), minlength=self.num_experts)
+            self.local_tokens_per_expert.add_(counts[: self.num_experts].astype("float32"))
+
+    def _check_hidden(self, hidden_states: Any) -> None:
+        check_hidden(type(self).__name__, "hidden_states", hidden_states, self.hidden_size, rank=3)
+
+    def reset_tokens_per_expert(self) -> None:
+        """Zero the selection counts (called after each bias update)."""
+        self.local_tokens_per_expert.zero_()
+
+    def update_expert_bias(self, tokens_per_expert: paddle.Tensor | None = None) -> None:
+        """No bias on this router: only reset the counts."""
+        self.reset_tokens_per_expert()
+
+
+class TopKRouter(_RouterBase):
+    """Learned top-k routing; the aux-loss-free ``expert_bias`` shifts the selection, never the weights."""
+
+    def __init__(self, config: Any, layer_number: int | None = None) -> None:
+        super().__init__(config)
+        moe = config.moe
+        self.layer_number = layer_number
+        self.bias_update_rate = moe.moe_router_bias_update_rate
+        self.load_balancing_type = moe.moe_router_load_balancing_type
+        self.aux_loss_coeff = moe.moe_aux_loss_coeff
+        if moe.moe_router_enable_expert_bias:
+            self.register_buffer("expert_bias", paddle.zeros([self.num_experts], dtype="float32"), persistable=True)
+        else:
+            self.expert_bias = None
+
+    def forward(self, hidden_states: paddle.Tensor, input_ids: paddle.Tensor | None = None) -> tuple:
+        """[b, s, D] -> (weights [b*s, k] fp32, indices [b*s, k] int64); ``input_ids`` is ignored."""
+        self._check_hidden(hidden_states)
+        scores = self._scores(hidden_states)
+        with paddle.no_grad():
+            biased = scores if self.expert_bias is None else scores + self.expert_bias
+            _, indices = paddle.topk(biased, self.topk, axis=-1)
+        weights = gather_routing_weights(scores, indices, self.norm_topk_prob, self.routed_scaling_factor)
+        self._count(indices)
+        self.aux_loss = None
+        if self.load_balancing_type == "seq_aux_loss" and self.training and paddle.is_grad_enabled():
+            batch, seq = hidden_states.shape[0], hidden_states.shape[1]
+            aux_loss = sequence_aux_loss(scores, indices, batch, seq, self.aux_loss_coeff)
+            weights = MoEAuxLossAutoScaler.apply(weights, aux_loss)
+            self.aux_loss = aux_loss.detach()
+        return weights, indices
+
+    def update_expert_bias(self, tokens_per_expert: paddle.Tensor | None = None) -> None:
+        """``b_e -= rate * sign(load_e - mean load)``, from the given counts or the accumulated ones.
+
+        Called by the trainer after the optimizer step (after all-reducing the counts across data
+        parallel ranks when there are several); always resets the accumulated counts.
+        """
+        if tokens_per_expert is None:
+            tokens_per_expert = self.local_tokens_per_expert
+        if not isinstance(tokens_per_expert, paddle.Tensor) or list(tokens_per_expert.shape) != [self.num_experts]:
+            got = list(tokens_per_expert.shape) if isinstance(tokens_per_expert, paddle.Tensor) else tokens_per_expert
+            raise ValueError(f"TopKRouter: `tokens_per_expert` must be [{self.num_experts}], got {got}")
+        if self.expert_bias is not None:
+            with paddle.no_grad():
+                load = tokens_per_expert.astype("float32")
+                step = paddle.sign(load - load.mean()) * self.bias_update_rate
+                paddle.assign(self.expert_bias - step, output=self.expert_bias)
+        self.reset_tokens_per_expert()
+
+
+class HashRouter(_RouterBase):
+    """Hash routing (DSv4's first layers): experts from the frozen ``tid2eid[input_ids]``, weights from the gate."""
+
+    def __init__(self, config: Any, layer_number: int | None = None) -> None:
+        super().__init__(config)
+        self.layer_number = layer_number
+        self.vocab_size = config.model.vocab_size
+        # Megatron's synthetic init (token_id + j) % E; the real table comes from the checkpoint.
+        table = paddle.arange(self.vocab_size, dtype="int64").unsqueeze(-1) + paddle.arange(self.topk, dtype="int64")
+        self.register_buffer("tid2eid", table % self.num_experts, persistable=True)
+
+    def forward(self, hidden_states: paddle.Tensor, input_ids: paddle.Tensor | None = None) -> tuple:
+        """[b, s, D] and ``input_ids`` [b, s] -> (weights [b*s, k] fp32, indices [b*s, k] int64)."""
+        self._check_hidden(hidden_states)
+        _check_input_ids("HashRouter", input_ids, hidden_states.shape[:2], required=True)
+        scores = self._scores(hidden_states)
+        indices = paddle.gather(self.tid2eid, input_ids.reshape([-1]).astype("int64"), axis=0)
+        weights = gather_routing_weights(scores, indices, self.norm_topk_prob, self.routed_scaling_factor)
+        self._count(indices)
+        return weights, indices
+
+
+def _check_input_ids(owner: str, input_ids: Any, batch_seq: list, required: bool) -> None:
+    """Raise a ValueError naming ``input_ids`` unless it is an integer [batch, seq] tensor."""
+    want = f"{owner}: `input_ids` must be an int32/int64 tensor of shape {list(batch_seq)}"
+    if input_ids is None:
+        if required:
+            raise ValueError(f"{want} (hash-routed layers pick experts from token ids), got None")
+        return
+    if not isinstance(input_ids, paddle.Tensor):
+        raise ValueError(f"{want}, got {type(input_ids).__name__}")
+    if input_ids.dtype not in _INT_DTYPES or list(input_ids.shape) != list(batch_seq):
+        raise ValueError(f"{want}, got {list(input_ids.shape)} {input_ids.dtype}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Experts.
+# --------------------------------------------------------------------------------------------------
+class GroupedExperts(FleetLayer):
+    """All routed experts as two stacked weights, computed one contiguous token group per expert.
+
+    (token, slot) pairs are stably sorted by expert so each expert runs one matmul over its segment,
+    the output is scaled by the routing weight after the down projection (as HF does) and
+    scatter-added back to its token.
+    """
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        moe, model = config.moe, config.model
+        self.num_experts = moe.n_routed_experts
+        self.hidden_size = model.hidden_size
+        self.ffn_hidden_size = moe.moe_intermediate_size
+        self.limit = float(moe.swiglu_limit)
+        init = paddle.nn.initializer.Normal(mean=0.0, std=model.init_method_std)
+        e, d, i = self.num_experts, self.hidden_size, self.ffn_hidden_size
+        self.weight1 = self.create_parameter([e, d, 2 * i], dtype=model.params_dtype, default_initializer=init)
+        self.weight2 = self.create_parameter([e, i, d], dtype=model.params_dtype, default_initializer=init)
+
+    def forward(self, hidden_states: paddle.Tensor, indices: paddle.Tensor, weights: paddle.Tensor) -> paddle.Tensor:
+        """``hidden_states`` [T, D], ``indices`` [T, k] int, ``weights`` [T, k] float -> [T, D]."""
+        counts = self._check(hidden_states, indices, weights)
+        topk = indices.shape[-1]
+        order = paddle.argsort(indices.reshape([-1]), stable=True)
+        token_of = order // topk
+        x_sorted = paddle.gather(hidden_states, token_of, axis=0)
+        w_sorted = paddle.gather(weights.reshape([-1]), order, axis=0).astype("float32")
+        y = self._expert_segments(x_sorted, counts)
+        y = (y.astype("float32") * w_sorted.unsqueeze(-1)).astype(hidden_states.dtype)
+        return paddle.index_add(paddle.zeros_like(hidden_states), token_of, 0, y)
+
+    def _expert_segments(self, x_sorted: paddle.Tensor, counts: list[int]) -> paddle.Tensor:
+        """One clamped-SwiGLU expert per contiguous segment of expert-sorted tokens."""
+        outs, start = [], 0
+        for expert, n in enumerate(counts):
+            if n == 0:
+                continue
+            h = clamped_swiglu(paddle.matmul(x_sorted[start : start + n], self.weight1[expert]), self.limit)
+            outs.append(paddle.matmul(h, self.weight2[expert]))
+            start += n
+        return paddle.concat(outs, axis=0)
+
+    def _check(self, hidden_states: Any, indices: Any, weights: Any) -> list[int]:
+        """Validate shapes and expert ids; return the tokens per expert (one host sync, needed for segments)."""
+        check_hidden("GroupedExperts", "hidden_states", hidden_states, self.hidden_size, rank=2)
+        tokens = hidden_states.shape[0]
+        if (
+            not isinstance(indices, paddle.Tensor)
+            or indices.dtype not in _INT_DTYPES
+            or indices.ndim != 2
+            or indices.shape[0] != tokens
+        ):
+            got = f"{list(indices.shape)} {indices.dtype}" if isinstance(indices, paddle.Tensor) else type(indices)
+            raise ValueError(f"GroupedExperts: `indices` must be [{tokens}, k] int32/int64, got {got}")
+        if (
+            not isinstance(weights, paddle.Tensor)
+            or not paddle.is_floating_point(weights)
+            or list(weights.shape) != list(indices.shape)
+        ):
+            got = f"{list(weights.shape)} {weights.dtype}" if isinstance(weights, paddle.Tensor) else type(weights)
+            raise ValueError(f"GroupedExperts: `weights` must be {list(indices.shape)} float, got {got}")
+        flat = indices.reshape([-1])
+        if flat.shape[0] == 0:
+            raise ValueError("GroupedExperts: `indices` must hold at least one token, got an empty tensor")
+        lo, hi = (int(v) for v in paddle.stack([flat.min(), flat.max()]).tolist())
+        if lo < 0 or hi >= self.num_experts:
+            raise ValueError(
+                f"GroupedExperts: `indices` must lie in [0, {self.num_experts}), got values in [{lo}, {hi}]"
+            )
+        return paddle.bincount(flat, minlength=self.num_experts).tolist()
+
+
+# --------------------------------------------------------------------------------------------------
+# The MoE layer.
+# --------------------------------------------------------------------------------------------------
+class MoELayer(FleetLayer):
+    """Routed experts + shared experts: ``y = experts(x; router(x)) + shared_experts(x)``.
+
+    ``layer_number`` is the 0-based decoder layer index: layers below ``moe_n_hash_layers`` are hash
+    routed and need ``input_ids``.
+    """
+
+    def __init__(self, config: Any, layer_number: int) -> None:
+        super().__init__()
+        moe, model = config.moe, config.model
+        if not isinstance(layer_number, int) or not 0 <= layer_number < model.num_hidden_layers:
+            raise ValueError(
+                f"MoELayer: `layer_number` must be a 0-based layer index in [0, {model.num_hidden_layers}), "
+                f"got {layer_number!r}"
+            )
+        if layer_number < moe.first_k_dense_replace:
+            raise ValueError(
+                f"MoELayer: layer {layer_number} is dense (config key `first_k_dense_replace` = "
+                f"{moe.first_k_dense_replace}); build a SwiGLUMLP there instead"
+            )
+        self.layer_number = layer_number
+        self.hidden_size = model.hidden_size
+        self.is_hash = layer_number < moe.moe_n_hash_layers
+        router_cls = HashRouter if self.is_hash else TopKRouter
+        self.router = router_cls(config, layer_number)
+        self.experts = GroupedExperts(config)
+        self.shared_experts = None
+        if moe.n_shared_experts > 0:
+            ffn = moe.n_shared_experts * moe.moe_intermediate_size
+            self.shared_experts = SwiGLUMLP(config, model.hidden_size, ffn)
+
+    def forward(self, hidden_states: paddle.Tensor, input_ids: paddle.Tensor | None = None) -> paddle.Tensor:
+        """``hidden_states`` [b, s, D], ``input_ids`` [b, s] (required on hash layers) -> [b, s, D]."""
+        check_hidden("MoELayer", "hidden_states", hidden_states, self.hidden_size, rank=3)
+        _check_input_ids("MoELayer", input_ids, hidden_states.shape[:2], required=self.is_hash)
+        batch, seq = hidden_states.shape[0], hidden_states.shape[1]
+        weights, indices = self.router(hidden_states, input_ids)
+        flat = hidden_states.reshape([-1, self.hidden_size])
+        out = self.experts(flat, indices, weights).reshape([batch, seq, self.hidden_size])
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(hidden_states)
+        return out
+
+    @property
+    def aux_loss(self) -> paddle.Tensor | None:
+        """Detached sequence-wise aux loss of the last training forward (None when off or on hash layers)."""
+        return self.router.aux_loss
+
+    @property
+    def tokens_per_expert(self) -> paddle.Tensor:
+        """Selections per expert accumulated since the last bias update."""
+        return self.router.local_tokens_per_expert
+
+    def update_expert_bias(self, tokens_per_expert: paddle.Tensor | None = None) -> None:
+        """Aux-loss-free bias step (no-op on hash layers or without the bias); resets the counts."""
+        self.router.update_expert_bias(tokens_per_expert)
