@@ -40,5 +40,10 @@ class VHAPostmix(FleetLayer):
         if not self.grouped:
             return paddle.matmul(mix, o)
         batch, seq, heads, dim = o.shape
-        grouped = o.reshape([batch, seq, self.groups, heads // self.groups, dim])
-        return paddle.matmul(mix, grouped).reshape([batch, seq, heads, dim])
+        per_group = heads // self.groups
+        # [G, h/G, b*s*d] so the batched GEMM has matching batch dims (Paddle's CPU matmul backward
+        # does not broadcast a 3-D matrix against 5-D activations).
+        grouped = o.reshape([batch * seq, self.groups, per_group, dim]).transpose([1, 2, 0, 3])
+        mixed = paddle.matmul(mix, grouped.reshape([self.groups, per_group, -1]))
+        mixed = mixed.reshape([self.groups, per_group, batch * seq, dim]).transpose([2, 0, 1, 3])
+        return mixed.reshape([batch, seq, heads, dim])

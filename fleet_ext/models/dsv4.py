@@ -78,12 +78,13 @@ class DSv4ForCausalLM(FleetLayer):
             logits = self.output_layer(hidden)
         if labels is None:
             return logits
-        loss = paddle.nn.functional.cross_entropy(
-            logits.reshape([-1, vocab]).astype("float32"),
-            labels.reshape([-1]).astype("int64"),
-            ignore_index=IGNORE_INDEX,
-            reduction="mean",
+        flat_labels = labels.reshape([-1]).astype("int64")
+        per_token = paddle.nn.functional.cross_entropy(
+            logits.reshape([-1, vocab]).astype("float32"), flat_labels, ignore_index=IGNORE_INDEX, reduction="none"
         )
+        # Paddle's reduction="mean" divides by every position, ignored ones included; average over kept tokens.
+        kept = (flat_labels != IGNORE_INDEX).astype("float32")
+        loss = per_token.reshape([-1]).sum() / paddle.clip(kept.sum(), min=1.0)
         return logits, loss
 
     # -- Hugging Face interop -------------------------------------------------------------------------

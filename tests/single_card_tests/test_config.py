@@ -1,0 +1,166 @@
+"""Config switchboard: round trips, unknown/renamed keys, and each invalid combination's message."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import yaml
+
+from fleet_ext import config as cfg
+from fleet_ext.config import FleetExtConfig, load_config
+
+TINY = {
+    "num_hidden_layers": 4,
+    "csa_compress_ratios": [0, 4, 128, -1],
+    "hidden_size": 64,
+    "moe_n_hash_layers": 1,
+}
+
+
+def test_defaults_are_deepseek_v4_flash_shaped():
+    c = load_config()
+    assert c.model.csa_compress_ratios == [0, 0, 4] + [128, 4] * 20
+    assert (c.model.num_attention_heads, c.model.v_head_dim, c.model.qk_pos_emb_head_dim) == (64, 512, 64)
+    assert (c.model.o_groups, c.model.o_lora_rank, c.model.dsa_index_topk) == (8, 1024, 512)
+    assert not any(getattr(c.fusion, f.name) for f in dataclasses.fields(c.fusion) if f.type == "bool")
+
+
+def test_dict_round_trip_is_exact():
+    c = load_config(TINY, rms_norm_eps=1e-5, vha_postmix_rank=3)
+    flat = c.to_dict()
+    assert load_config(flat) == c
+    assert flat["rms_norm_eps"] == 1e-5 and flat["vha_postmix_rank"] == 3
+
+
+def test_yaml_round_trip_is_exact(tmp_path):
+    c = load_config(TINY, scoring_func="sigmoid", use_vha_attention=True, vha_postmix_grouped=True)
+    path = tmp_path / "c.yaml"
+    c.save_yaml(path)
+    text = path.read_text()
+    assert "### model" in text and "### fusion" in text
+    again = load_config(path)
+    assert again == c
+    again.save_yaml(tmp_path / "d.yaml")
+    assert (tmp_path / "d.yaml").read_text() == text
+
+
+def test_nested_sections_and_string_numbers_load():
+    model_keys = {k: v for k, v in TINY.items() if k != "moe_n_hash_layers"}
+    c = load_config({"model": {**model_keys, "csa_compress_rotary_base": "160000.0", "rms_norm_eps": "1e-6"},
+                     "moe": {"scoring_func": "softmax", "moe_n_hash_layers": 1}})
+    assert c.model.csa_compress_rotary_base == 160000.0 and c.model.rms_norm_eps == 1e-6
+    assert c.moe.scoring_func == "softmax"
+    with pytest.raises(ValueError, match="belongs to section `model`"):
+        load_config({"moe": {"hidden_size": 8}})
+
+
+def test_every_key_lives_in_exactly_one_section():
+    seen = {}
+    for section, cls in cfg.SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            assert f.name not in seen, f"{f.name} in {seen.get(f.name)} and {section}"
+            seen[f.name] = section
+            assert f.metadata.get("help"), f"{f.name} has no help text"
+
+
+def test_unknown_key_suggests_the_right_one():
+    with pytest.raises(ValueError, match=r"unknown config key `hiden_size`.*Did you mean `hidden_size`"):
+        load_config({"hiden_size": 8})
+    with pytest.raises(ValueError, match=r"unknown config key `zzz_totally_new`\. The keys"):
+        load_config({"zzz_totally_new": 1})
+
+
+@pytest.mark.parametrize("old, new", sorted(cfg.RENAMED_KEYS.items()))
+def test_renamed_keys_raise_with_their_new_name(old, new):
+    with pytest.raises(ValueError, match=rf"`{old}` was renamed: use `{new}`"):
+        load_config({old: 1})
+
+
+@pytest.mark.parametrize(
+    "overrides, pattern",
+    [
+        ({"tensor_model_parallel_size": 2}, r"`tensor_model_parallel_size` = 2 is invalid.*does not support tensor"),
+        ({"context_parallel_size": 2}, r"`context_parallel_size` = 2: context parallelism is not supported yet"),
+        ({"expert_model_parallel_size": 2}, r"`expert_model_parallel_size` = 2: expert parallelism is not supported"),
+        ({"pipeline_model_parallel_size": 2}, r"pipeline parallelism is not supported yet"),
+        ({"sequence_parallel": True}, r"`sequence_parallel`.*needs tensor parallelism"),
+        ({"cp_balance_mode": "dualchunk_allgather"}, r"`cp_balance_mode`.*contiguous_allgather"),
+        ({"cp_balance_mode": "zigzag"}, r"`cp_balance_mode` = 'zigzag' is invalid: allowed one of"),
+        ({"csa_compress_ratios": [0, 1, 128, 0]}, r"entry 1 is invalid.*Ratio 1 would compress nothing"),
+        ({"csa_compress_ratios": [0, 129, 128, 0]}, r"entry 129 is invalid"),
+        ({"csa_compress_ratios": [0, 4, 128]}, r"`csa_compress_ratios`.*list of 4 integers.*got length 3"),
+        ({"csa_compress_ratios": [0, -2, 128, 0]}, r"-2 hybrid-MLA sparse-MQA layer.*not supported yet"),
+        ({"csa_compress_ratios": [0, 4.0, 128, 0]}, r"integers only"),
+        ({"hybrid_mla_attention": "mqa_dsa"}, r"`hybrid_mla_attention`.*not supported yet"),
+        ({"hybrid_mla_attention": "dense"}, r"allowed one of \['mha', 'mqa_full_causal', 'mqa_dsa'\]"),
+        ({"num_nextn_predict_layers": 1}, r"building MTP layers is not supported yet"),
+        ({"qk_pos_emb_head_dim": 7}, r"`qk_pos_emb_head_dim` = 7.*even integer"),
+        ({"o_groups": 7}, r"`o_groups` = 7.*divisor of num_attention_heads \* v_head_dim"),
+        ({"dsa_index_head_dim": 32}, r"`dsa_index_head_dim` = 32.*>= qk_pos_emb_head_dim"),
+        ({"dsa_indexer_loss_coeff": 0.01}, r"training the CSA indexer.*not supported yet"),
+        ({"mscale": 0.7}, r"`mscale` = 0.7.*forces YaRN mscale to 1"),
+        ({"vha_postmix_rank": 0}, r"`vha_postmix_rank` = 0"),
+        ({"use_vha_attention": True, "vha_postmix_grouped": True, "o_groups": 16, "num_attention_heads": 8},
+         r"`vha_postmix_grouped`.*divides by o_groups"),
+        ({"hidden_size": 0}, r"`hidden_size` = 0 is invalid: allowed a positive integer"),
+        ({"hidden_size": True}, r"`hidden_size` = True is invalid: allowed an integer"),
+        ({"rms_norm_eps": "tiny"}, r"`rms_norm_eps` = 'tiny' is invalid: allowed a number"),
+        ({"enable_hyper_connections": "yes"}, r"`enable_hyper_connections` = 'yes'.*true or false"),
+        ({"pad_token_id": 10**9}, r"`pad_token_id`"),
+        ({"scoring_func": "relu"}, r"`scoring_func` = 'relu' is invalid: allowed one of"),
+        ({"num_experts_per_tok": 300}, r"`num_experts_per_tok` = 300.*<= n_routed_experts"),
+        ({"moe_n_hash_layers": 5}, r"`moe_n_hash_layers` = 5.*<= num_hidden_layers"),
+        ({"first_k_dense_replace": 1}, r"`first_k_dense_replace` = 1.*0 when moe_n_hash_layers > 0"),
+        ({"swiglu_limit": -1.0}, r"`swiglu_limit`"),
+        ({"recompute_granularity": "full"}, r"`recompute_granularity` = 'full': activation recompute is not supported"),
+        ({"recompute_method": "uniform"}, r"`recompute_method`.*null while recompute_granularity is null"),
+        ({"save_checkpoint_format": "pickle"}, r"`save_checkpoint_format` = 'pickle'.*flex_checkpoint"),
+        ({"apply_rope_fusion": True}, r"`apply_rope_fusion` = True: this fused kernel is not supported yet"),
+        ({"dsv4_q_rms_norm_fusion": True}, r"`dsv4_q_rms_norm_fusion`.*set `dsv4_q_rms_norm_fusion: false`"),
+        ({"csa_sparse_attn_backend": "triton"}, r"`csa_sparse_attn_backend` = 'triton'.*not supported yet"),
+        ({"csa_sparse_attn_backend": "cudnn"}, r"allowed one of \['unfused', 'triton'\]"),
+    ],
+)
+def test_invalid_values_name_key_allowed_and_fix(overrides, pattern):
+    with pytest.raises(ValueError, match=pattern) as err:
+        load_config({**TINY, **overrides})
+    assert "Fix" in str(err.value) or "allowed" in str(err.value) or "use" in str(err.value)
+
+
+def test_replace_validates_like_a_yaml():
+    c = load_config(TINY)
+    assert c.replace(hidden_size=128).model.hidden_size == 128
+    with pytest.raises(ValueError, match="unknown config key"):
+        c.replace(hidden=128)
+
+
+def test_malformed_and_missing_yaml(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("hidden_size: [1, 2\nnum_hidden_layers: 3\n")
+    with pytest.raises(ValueError, match="is not valid YAML"):
+        load_config(bad)
+    listy = tmp_path / "list.yaml"
+    listy.write_text(yaml.safe_dump([1, 2]))
+    with pytest.raises(ValueError, match="must hold a mapping"):
+        load_config(listy)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_layer_kinds_follow_paddlefleet_semantics():
+    assert [cfg.layer_kind(r) for r in (-2, -1, 0, 2, 4, 127, 128)] == [
+        "hybrid_mla", "full_causal_mqa", "window", "csa", "csa", "csa", "hca"]
+    for bad in (1, -3, 129):
+        with pytest.raises(ValueError, match="csa_compress_ratios"):
+            cfg.layer_kind(bad)
+
+
+def test_postmix_rank_default_is_quarter_of_heads():
+    c = load_config(TINY, num_attention_heads=8, o_groups=8)
+    assert c.model.postmix_rank == 2
+    assert load_config(TINY, num_attention_heads=2, o_groups=2).model.postmix_rank == 1
+
+
+def test_config_is_a_dataclass_tree():
+    assert set(f.name for f in dataclasses.fields(FleetExtConfig)) == set(cfg.SECTIONS)
