@@ -15,6 +15,11 @@ def apply_partial_rope(
     x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor, inverse: bool = False
 ) -> paddle.Tensor:
     """Rotate ``x[..., -rd:]`` of ``x`` [b, s, h, d] (or [b, s, d]) by cos/sin [s, rd/2] or [b, s, rd/2]."""
+    if x.ndim not in (3, 4):
+        raise ValueError(f"apply_partial_rope: `x` must be [b, s, h, d] or [b, s, d], got shape {x.shape}")
+    if cos.ndim not in (2, 3) or (cos.ndim == 3 and cos.shape[0] not in (1, x.shape[0])):
+        raise ValueError(f"apply_partial_rope: `cos` must be [s, rd/2] or [b, s, rd/2] with b={x.shape[0]}, "
+                         f"got shape {cos.shape}")
     half = cos.shape[-1]
     rope_dim = 2 * half
     if x.shape[-1] < rope_dim:

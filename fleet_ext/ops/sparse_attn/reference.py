@@ -35,6 +35,8 @@ def sparse_attention_with_sink(
         raise ValueError(
             f"sparse_attention_with_sink: `idx` must be [B, S, K] with B, S = {q.shape[:2]}, got shape {idx.shape}"
         )
+    if idx.dtype not in (paddle.int32, paddle.int64):
+        raise ValueError(f"sparse_attention_with_sink: `idx` must be int32 or int64, got {idx.dtype}")
     if sink.shape != [q.shape[2]] or sink.dtype != paddle.float32:
         raise ValueError(
             f"sparse_attention_with_sink: `sink` must be fp32 [{q.shape[2]}], got {sink.dtype} {sink.shape}"
@@ -49,10 +51,13 @@ def sparse_attention_with_sink(
     gathered = gathered.reshape([batch, seq, width, dim]).astype("float32")
     qf = q.astype("float32")
     logits = paddle.matmul(qf, gathered, transpose_y=True) * scale  # [B, S, H, K]
-    logits = paddle.where(valid.reshape([batch, seq, 1, width]), logits, paddle.full_like(logits, float("-inf")))
+    valid_slots = valid.reshape([batch, seq, 1, width]).expand(logits.shape)
+    logits = paddle.where(valid_slots, logits, paddle.full_like(logits, float("-inf")))
     sink_col = sink.reshape([1, 1, heads, 1]).expand([batch, seq, heads, 1])
     row_max = paddle.maximum(logits.max(axis=-1, keepdim=True), sink_col).detach()
-    weights = paddle.exp(logits - row_max)
+    # exp(-inf) is a denormal (not 0) in Paddle's vectorised CPU exp: zero invalid slots explicitly so an
+    # empty row outputs exactly 0 and unread kv rows get exactly 0 gradient.
+    weights = paddle.where(valid_slots, paddle.exp(logits - row_max), paddle.zeros_like(logits))
     denom = weights.sum(axis=-1, keepdim=True) + paddle.exp(sink_col - row_max)
     probs = weights / denom
     out = paddle.matmul(probs, gathered).astype(q.dtype)  # [B, S, H, d]
