@@ -409,16 +409,6 @@ class FusionConfig:
     csa_sparse_attn_backend: str = _key("unfused", "Sparse attention of DSv4 layers.", ("unfused", "triton"))
     mqa_sparse_attn_backend: str = _key("unfused", "Sparse attention of -2 layers.", ("unfused", "triton"))
 
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.type == "bool" and value:
-                _not_yet(f.name, value, "this fused kernel", f"set `{f.name}: false` until the Triton kernels land")
-        for key in ("csa_sparse_attn_backend", "mqa_sparse_attn_backend"):
-            if getattr(self, key) == "triton":
-                _not_yet(key, "triton", "the Triton sparse-attention backend", f"set `{key}: unfused`")
-
-
 # --------------------------------------------------------------------------------------------------
 # The tree, flat YAML in and out.
 # --------------------------------------------------------------------------------------------------
@@ -571,6 +561,11 @@ class FleetExtConfig:
                 "0 when moe_n_hash_layers > 0 (hash-routed layers are the first MoE layers, as in DSv4)",
                 "use either dense first layers or hash-routed first layers",
             )
+
+        from fleet_ext.registry import config_errors  # no Paddle import; registry reads this config duck-typed
+
+        for switch, value, reason, fix in config_errors(self):
+            raise ValueError(f"config key `{switch}` = {value!r} can never run: {reason}. Fix: {fix}")
 
     # -- YAML / dict -------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

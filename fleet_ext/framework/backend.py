@@ -1,16 +1,21 @@
 """The backend provider: reads the fusion switches once, at build time, and hands layers their ops.
 
-Each op slot gets either the pure-Paddle reference (``fleet_ext/ops/<op>/reference.py``) or a fused
-kernel. The choice, and the reason for it, is recorded so the start-up table can print it
-(DESIGN.md rules 2 and 3). Switches that can never run are rejected earlier, by the config.
+Each op slot gets the pure-Paddle reference or the fused Triton callable named in
+``fleet_ext.registry``. A switch that is on but cannot run on this machine (no Triton, no torch for the
+interpreter, too old a GPU) raises here, naming the switch, the reason and the fix; on a CPU machine
+the kernels run in the Triton interpreter. The resolved table (switch -> backend -> reason) is kept
+for the start-up printout (DESIGN.md rules 2 and 3).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from fleet_ext import capability
 from fleet_ext.config import FleetExtConfig
+from fleet_ext.registry import BACKENDS, FUSIONS
 
 
 @dataclass(frozen=True)
@@ -20,6 +25,7 @@ class AttentionOps:
     rope: Callable
     q_rms_norm: Callable
     sparse_attn: Callable
+    inv_rope_postmix: Callable
 
 
 @dataclass(frozen=True)
@@ -33,33 +39,46 @@ class ResolvedSwitch:
 
 
 class BackendProvider:
-    """Resolves every op slot from the config; built once per model."""
+    """Resolves every op slot from the config and the machine's capability; built once per model."""
 
-    def __init__(self, config: FleetExtConfig) -> None:
-        from fleet_ext.ops.q_rms_norm.reference import q_rms_norm
-        from fleet_ext.ops.rope.reference import apply_partial_rope
-        from fleet_ext.ops.sparse_attn.reference import sparse_attention_with_sink
-
-        fusion = config.fusion
+    def __init__(self, config: FleetExtConfig, cap: capability.Capability | None = None) -> None:
+        self.config = config
+        self.capability = cap or capability.detect()
         self._rows: list[ResolvedSwitch] = []
-        rope = self._resolve("apply_rope_fusion", fusion.apply_rope_fusion, apply_partial_rope)
-        q_norm = self._resolve("dsv4_q_rms_norm_fusion", fusion.dsv4_q_rms_norm_fusion, q_rms_norm)
-        sparse = self._resolve("csa_sparse_attn_backend", fusion.csa_sparse_attn_backend, sparse_attention_with_sink)
-        for name in (
-            "fuse_inv_rope_into_vha_postmix",
-            "sparse_attn_global_kv_idx_remap_fusion",
-            "dsa_sink_grad_fusion",
-            "use_fused_mhc",
-            "mqa_sparse_attn_backend",
-        ):
-            self._resolve(name, getattr(fusion, name), None)
-        self.attention_ops = AttentionOps(rope=rope, q_rms_norm=q_norm, sparse_attn=sparse)
+        rope = self._resolve("apply_rope_fusion")
+        q_norm = self._resolve("dsv4_q_rms_norm_fusion")
+        remap = self._resolve("sparse_attn_global_kv_idx_remap_fusion")
+        sparse = self._resolve("dsa_sink_grad_fusion")
+        inv_rope_postmix = self._resolve("fuse_inv_rope_into_vha_postmix")
+        for switch in ("use_fused_mhc",):
+            self._rows.append(ResolvedSwitch(switch, False, "reference (pure Paddle)", "switch off (default)"))
+        for switch in BACKENDS:
+            value = getattr(config.fusion, switch)
+            self._rows.append(ResolvedSwitch(switch, value, "reference (pure Paddle)", "gather-softmax with sink"))
+        self.attention_ops = AttentionOps(
+            rope=rope,
+            q_rms_norm=q_norm,
+            sparse_attn=functools.partial(sparse, remap=remap),
+            inv_rope_postmix=functools.partial(inv_rope_postmix, rope=rope),
+        )
 
-    def _resolve(self, switch: str, value: object, reference: Callable | None) -> Callable | None:
-        # The config rejects every switch whose kernel has not landed, so only the reference path
-        # reaches here; fused kernels register their gates in this method when they land.
-        self._rows.append(ResolvedSwitch(switch, value, "reference (pure Paddle)", "switch off (default)"))
-        return reference
+    def _resolve(self, switch: str) -> Callable:
+        fusion = FUSIONS[switch]
+        if not getattr(self.config.fusion, switch):
+            self._rows.append(ResolvedSwitch(switch, False, "reference (pure Paddle)", "switch off (default)"))
+            return fusion.load("reference")
+        cap = self.capability
+        reason = cap.triton_unusable_reason()
+        if reason is not None:
+            raise ValueError(
+                f"config key `{switch}` = True cannot run on this machine ({cap.describe()}): {reason}. "
+                f"Fix: install what is missing or set `{switch}: false`"
+            )
+        capability.prepare_triton()
+        where = "Triton interpreter (CPU, slow)" if cap.interpreter else f"Triton sm{cap.sm[0]}{cap.sm[1]}"
+        guarantee = "bitwise equal to the reference" if fusion.bitwise_equal else f"tolerance: {fusion.tolerance}"
+        self._rows.append(ResolvedSwitch(switch, True, where, f"switch on; {guarantee}"))
+        return fusion.load("fused")
 
     @property
     def resolved(self) -> list[ResolvedSwitch]:

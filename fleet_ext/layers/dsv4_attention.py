@@ -43,6 +43,8 @@ class DSv4HybridSelfAttention(FleetLayer):
         self.kv_layernorm = RMSNorm(self.head_dim, m.rms_norm_eps)
         self.core_attention = CompressedSparseAttention(m, self.ratio, ops.sparse_attn, ops.rope)
         self.postmix = VHAPostmix(m) if m.use_vha_attention else None
+        # The ungrouped postmix takes inverse RoPE + M @ O as one op (fused when the switch is on).
+        self._fuse_postmix = self.postmix is not None and not self.postmix.grouped
         group_in = self.heads * self.head_dim // self.groups
         self.linear_o_group_proj = self.create_parameter(
             [self.groups * self.o_lora_rank, group_in], dtype=m.params_dtype, default_initializer=_normal(std)
@@ -67,9 +69,12 @@ class DSv4HybridSelfAttention(FleetLayer):
         q = self.ops.rope(q, cos, sin)
         kv = self.ops.rope(kv, cos, sin)
         out = self.core_attention(q, kv, hidden_states, q_latent)
-        out = self.ops.rope(out, cos, sin, inverse=True)
-        if self.postmix is not None:
-            out = self.postmix(out)
+        if self._fuse_postmix:
+            out = self.ops.inv_rope_postmix(out, cos, sin, self.postmix.mixing_matrix())
+        else:
+            out = self.ops.rope(out, cos, sin, inverse=True)
+            if self.postmix is not None:
+                out = self.postmix(out)  # grouped (block-diagonal) postmix
         return self.o_proj(self._grouped_out_proj(out))
 
     def _grouped_out_proj(self, out: paddle.Tensor) -> paddle.Tensor:

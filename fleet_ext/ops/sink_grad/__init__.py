@@ -1,0 +1,1 @@
+"""fleet_ext.ops.sink_grad (no Paddle import here; see DESIGN.md)."""
