@@ -20,10 +20,13 @@ def sparse_attention_with_sink(
     sink: paddle.Tensor,
     scale: float,
     remap=local_to_global_flat,
+    d_v: int | None = None,
 ) -> tuple[paddle.Tensor, paddle.Tensor]:
-    """q [B, S, H, d], kv [B, N, d], idx [B, S, K] int (-1 invalid), sink [H] fp32 -> (out [B,S,H,d], lse [B,S,H]).
+    """q [B, S, H, d], kv [B, N, d], idx [B, S, K] int (-1 invalid), sink [H] fp32 -> (out [B,S,H,d_v], lse [B,S,H]).
 
     ``lse`` includes the sink. ``remap`` turns local ids into flat ids (swappable by a fused kernel).
+    ``d_v`` (default d) keeps the first ``d_v`` channels as the value: K = V for DSv4 (d_v = d = 512), the
+    latent MQA of -2 layers reads keys of 576 and values of their first 512 channels.
     """
     if q.ndim != 4:
         raise ValueError(f"sparse_attention_with_sink: `q` must be [B, S, H, d], got shape {q.shape}")
@@ -60,6 +63,7 @@ def sparse_attention_with_sink(
     weights = paddle.where(valid_slots, paddle.exp(logits - row_max), paddle.zeros_like(logits))
     denom = weights.sum(axis=-1, keepdim=True) + paddle.exp(sink_col - row_max)
     probs = weights / denom
-    out = paddle.matmul(probs, gathered).astype(q.dtype)  # [B, S, H, d]
+    values = gathered if d_v is None else gathered[..., :d_v]
+    out = paddle.matmul(probs, values).astype(q.dtype)  # [B, S, H, d_v]
     lse = (paddle.log(denom) + row_max).squeeze(-1)
     return out, lse
