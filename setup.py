@@ -8,7 +8,7 @@ setup(
     description="DeepSeek-V4-class model layers (DSv4 hybrid attention, DeepSeekMoE, mHC) for PaddlePaddle",
     python_requires=">=3.10",
     packages=find_packages(include=["fleet_ext", "fleet_ext.*"]),
-    package_data={"fleet_ext": ["configs/*.yaml"]},
+    package_data={"fleet_ext": ["configs/*.yaml", "data/corpus/*.txt", "data/SOURCES.md"]},
     install_requires=[
         "paddlepaddle>=3.3",
         "PyYAML>=6.0",

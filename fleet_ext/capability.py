@@ -91,11 +91,21 @@ def override(capability: Capability) -> Iterator[Capability]:
         _OVERRIDE.pop()
 
 
-def prepare_triton() -> None:
-    """Select interpreter mode on a machine without a GPU; call before importing any kernel module.
+def _cuda_driver_present() -> bool:
+    """An NVIDIA driver on this machine (checked without importing Paddle, torch or Triton)."""
+    return os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia/version")
 
-    Triton reads ``TRITON_INTERPRET`` when a kernel is decorated, so setting it here (an internal
-    detail, not a user interface) is enough as long as no kernel module was imported before.
+
+def prepare_triton(interpreter: bool | None = None) -> None:
+    """Select Triton's interpreter mode where kernels cannot be compiled; call before any kernel import.
+
+    Triton reads ``TRITON_INTERPRET`` when a kernel (or one of ``triton.language``'s own jitted helpers)
+    is decorated, so this must run before Triton and the kernel modules are imported:
+    ``fleet_ext.ops`` calls it on import. ``interpreter`` forces the choice (the backend provider passes
+    its capability's); by default it follows the presence of an NVIDIA driver. The variable is an
+    internal detail, not a user interface.
     """
-    if not _detect().gpu:
+    if interpreter is None:
+        interpreter = not _cuda_driver_present()
+    if interpreter:
         os.environ["TRITON_INTERPRET"] = "1"

@@ -28,6 +28,7 @@ __all__ = [
     "RecomputeConfig",
     "CheckpointConfig",
     "FusionConfig",
+    "TrainingConfig",
     "FleetExtConfig",
     "load_config",
     "RENAMED_KEYS",
@@ -120,12 +121,58 @@ class ModelConfig:
     max_position_embeddings: int = _key(1048576, "Longest position the RoPE tables are valid for.")
     o_groups: int = _key(8, "Groups of the grouped low-rank output projection.")
     o_lora_rank: int = _key(1024, "Rank per group of the grouped output projection.")
-    dsa_index_n_heads: int = _key(64, "Lightning-indexer heads of CSA layers.")
-    dsa_index_head_dim: int = _key(128, "Lightning-indexer head width.")
-    dsa_index_topk: int = _key(512, "Compressed entries each query keeps in CSA layers.")
-    dsa_indexer_loss_coeff: float = _key(0.0, "Weight of the indexer KL loss (trained in the sparse-MQA issue).")
-    dsa_indexer_use_sparse_loss: bool = _key(False, "Indexer KL over the selected set (sparse phase).")
-    hybrid_mla_attention: str = _key("mha", "Core of the -2 layers.", ("mha", "mqa_full_causal", "mqa_dsa"))
+    dsa_index_n_heads: int = _key(64, "Indexer heads (CSA lightning indexer and the DSA indexer of -2 layers).")
+    dsa_index_head_dim: int = _key(128, "Indexer head width (a power of two for the DSA indexer's Hadamard).")
+    dsa_index_topk: int = _key(
+        512, "Entries each query keeps: compressed entries in CSA layers, tokens in -2 layers (sparse phase)."
+    )
+    dsa_indexer_loss_coeff: float = _key(
+        0.0, "Weight of the DSA indexer KL loss of -2 layers (mqa_dsa); the CSA indexer loss is not built yet."
+    )
+    dsa_indexer_use_sparse_loss: bool = _key(
+        False,
+        "Phase of mqa_dsa -2 layers: true = sparse (forced window + indexer top-k, KL over the top-k set); "
+        "false = dense warm-up (full-causal attention, KL over the whole causal set).",
+    )
+    dsa_indexer_force_window: bool = _key(
+        True,
+        "Sparse phase of -2 layers: each query also keeps its last csa_window_size keys, top-k picks among the "
+        "older ones (PaddleFleet); false = top-k over all causal keys, no window (DeepSeek-V3.2).",
+    )
+    dsa_indexer_rotary_interleaved: bool = _key(
+        False, "DSA indexer RoPE on interleaved pairs, not rotate-half (both on the leading [pe | nope] channels)."
+    )
+    train_indexer_only: bool = _key(
+        False,
+        "Indexer warm-up: every parameter but the -2 layers' DSA indexers is frozen (needs mqa_dsa, the dense "
+        "phase and dsa_indexer_loss_coeff > 0).",
+    )
+    hybrid_mla_attention: str = _key(
+        "mha",
+        "Core of the -2 layers: dense MLA, latent MQA over all causal keys, or latent MQA with the DSA indexer.",
+        ("mha", "mqa_full_causal", "mqa_dsa"),
+    )
+    hybrid_mla_q_lora_rank: int | None = _key(None, "-2 layers: query low-rank (V3.2: 1536); required with a -2 layer.")
+    hybrid_mla_kv_lora_rank: int | None = _key(
+        None, "-2 layers: latent KV rank = width of the MQA value (V3.2: 512); required with a -2 layer."
+    )
+    hybrid_mla_qk_nope_head_dim: int | None = _key(None, "-2 layers: per-head q/k channels without RoPE (V3.2: 128).")
+    hybrid_mla_qk_rope_head_dim: int | None = _key(
+        None, "-2 layers: per-head q/k channels with interleaved RoPE (V3.2: 64); also the DSA indexer's RoPE width."
+    )
+    hybrid_mla_v_head_dim: int | None = _key(None, "-2 layers: per-head value width (V3.2: 128).")
+    hybrid_mla_num_attention_heads: int | None = _key(None, "-2 layers: query heads (V3.2: 128).")
+    hybrid_mla_rope_type: str = _key("yarn", "RoPE variant of -2 layers (MLA and DSA indexer).", ("rope", "yarn"))
+    hybrid_mla_rotary_base: float = _key(10000.0, "RoPE base of -2 layers.")
+    hybrid_mla_rotary_scaling_factor: float = _key(40.0, "YaRN factor f of -2 layers (beta_fast/beta_slow shared).")
+    hybrid_mla_original_max_position_embeddings: int = _key(4096, "YaRN original context length of -2 layers.")
+    hybrid_mla_mscale: float = _key(
+        1.0, "YaRN mscale of -2 layers: cos/sin are scaled by m(f, mscale) / m(f, mscale_all_dim) (1 when equal)."
+    )
+    hybrid_mla_mscale_all_dim: float = _key(
+        1.0, "YaRN mscale_all_dim of -2 layers: softmax scale x (0.1 mscale_all_dim ln f + 1)^2 (V3.2); 0: none."
+    )
+    add_full_attention_sink_bias: bool = _key(False, "Learnable per-head attention sink in -2 layers (V3.2: none).")
     use_vha_attention: bool = _key(False, "Virtual Head Attention postmix M = I + V U^T on the attention output.")
     vha_postmix_rank: int | None = _key(None, "Rank r of the postmix; None means num_attention_heads // 4 (>= 1).")
     vha_postmix_grouped: bool = _key(False, "Block-diagonal postmix, one block per output group.")
@@ -136,7 +183,9 @@ class ModelConfig:
     rms_norm_eps: float = _key(1e-6, "Epsilon of every RMSNorm.")
     init_method_std: float = _key(0.02, "Std of the normal initialisation of weights.")
     tie_word_embeddings: bool = _key(False, "Share the embedding and LM-head weight.")
-    pad_token_id: int = _key(0, "Padding token id (ignored by the loss through labels = -100 only).")
+    pad_token_id: int = _key(
+        0, "Padding token id (the LM loss ignores labels = -100; -2 layers' indexer KL skips rows of this id)."
+    )
     params_dtype: str = _key("float32", "Parameter dtype.", ("float32", "bfloat16", "float16"))
 
     def __post_init__(self) -> None:
@@ -188,19 +237,15 @@ class ModelConfig:
             if not isinstance(r, int) or isinstance(r, bool):
                 _fail("csa_compress_ratios", ratios, "integers only", f"replace {r!r} by an integer")
             layer_kind(r)
-        if HYBRID_MLA in ratios:
-            _not_yet(
-                "csa_compress_ratios",
-                ratios,
-                "the -2 hybrid-MLA sparse-MQA layer (its own issue)",
-                "use 0, 2..127, 128 or -1 for now",
-            )
-        if self.hybrid_mla_attention != "mha":
-            _not_yet(
+        has_mla = HYBRID_MLA in ratios
+        if has_mla:
+            self._check_hybrid_mla()
+        elif self.hybrid_mla_attention != "mha":
+            _fail(
                 "hybrid_mla_attention",
                 self.hybrid_mla_attention,
-                "latent MQA for -2 layers",
-                "leave `hybrid_mla_attention: mha` until -2 layers land",
+                "'mha' unless csa_compress_ratios has a -2 (hybrid-MLA) layer",
+                "add a -2 entry to csa_compress_ratios or remove the key",
             )
         if self.mscale != 1.0:
             _fail("mscale", self.mscale, "1.0", "DSv4 forces YaRN mscale to 1 (RoPE stays norm-preserving)")
@@ -237,6 +282,7 @@ class ModelConfig:
                 "training the CSA indexer with its KL loss",
                 "set `dsa_indexer_loss_coeff: 0.0` and `dsa_indexer_use_sparse_loss: false` for now",
             )
+        self._check_indexer_phases(has_mla, has_indexer)
         if self.vha_postmix_rank is not None and not 1 <= self.vha_postmix_rank <= self.num_attention_heads:
             _fail(
                 "vha_postmix_rank",
@@ -260,6 +306,93 @@ class ModelConfig:
         if self.vha_postmix_rank is not None:
             return self.vha_postmix_rank
         return min(max(self.num_attention_heads // 4, 1), self.num_attention_heads)
+
+    def _check_hybrid_mla(self) -> None:
+        """Shapes and RoPE of -2 (hybrid-MLA) layers (PaddleFleet: positive ints whenever a -2 entry exists)."""
+        for key in (
+            "hybrid_mla_q_lora_rank",
+            "hybrid_mla_kv_lora_rank",
+            "hybrid_mla_qk_nope_head_dim",
+            "hybrid_mla_qk_rope_head_dim",
+            "hybrid_mla_v_head_dim",
+            "hybrid_mla_num_attention_heads",
+            "hybrid_mla_original_max_position_embeddings",
+        ):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                _fail(
+                    key,
+                    value,
+                    "a positive integer when csa_compress_ratios has a -2 (hybrid-MLA) layer",
+                    f"set `{key}` (DeepSeek-V3.2 values are in the README's config table)",
+                )
+        if self.hybrid_mla_qk_rope_head_dim % 2:
+            _fail(
+                "hybrid_mla_qk_rope_head_dim",
+                self.hybrid_mla_qk_rope_head_dim,
+                "an even integer",
+                "RoPE rotates channel pairs",
+            )
+        for key in ("hybrid_mla_rotary_base", "hybrid_mla_rotary_scaling_factor"):
+            if not getattr(self, key) > 0:
+                _fail(key, getattr(self, key), "a positive number", f"set `{key}` > 0")
+        for key in ("hybrid_mla_mscale", "hybrid_mla_mscale_all_dim"):
+            if not getattr(self, key) >= 0:
+                _fail(key, getattr(self, key), "a number >= 0", "use 1.0 as DeepSeek-V3.2")
+
+    def _check_indexer_phases(self, has_mla: bool, has_csa_indexer: bool) -> None:
+        """PaddleFleet's phase rules for the DSA indexer of -2 layers (warm-up vs sparse, train_indexer_only)."""
+        mqa_dsa = has_mla and self.hybrid_mla_attention == "mqa_dsa"
+        coeff, sparse = self.dsa_indexer_loss_coeff, self.dsa_indexer_use_sparse_loss
+        if not coeff >= 0:
+            _fail("dsa_indexer_loss_coeff", coeff, "a number >= 0", "use 0.0 (off) or e.g. 1.0e-2")
+        if mqa_dsa:
+            width = self.dsa_index_head_dim
+            if width & (width - 1):
+                _fail(
+                    "dsa_index_head_dim",
+                    width,
+                    "a power of two with hybrid_mla_attention: mqa_dsa",
+                    "the DSA indexer's Hadamard transform needs 2^n channels (DeepSeek-V3.2 uses 128)",
+                )
+            if width < self.hybrid_mla_qk_rope_head_dim:
+                _fail(
+                    "dsa_index_head_dim",
+                    width,
+                    f">= hybrid_mla_qk_rope_head_dim ({self.hybrid_mla_qk_rope_head_dim})",
+                    "the DSA indexer ropes its leading hybrid_mla_qk_rope_head_dim channels",
+                )
+        elif not has_csa_indexer and (coeff > 0 or sparse):
+            key, value = ("dsa_indexer_loss_coeff", coeff) if coeff > 0 else ("dsa_indexer_use_sparse_loss", sparse)
+            _fail(
+                key,
+                value,
+                "0.0 / false unless an indexer exists (a -2 layer with hybrid_mla_attention: mqa_dsa)",
+                "set `hybrid_mla_attention: mqa_dsa` with a -2 layer, or remove the key",
+            )
+        if self.train_indexer_only:
+            if not mqa_dsa:
+                _fail(
+                    "train_indexer_only",
+                    True,
+                    "true only with a -2 layer under hybrid_mla_attention: mqa_dsa (the indexer it trains)",
+                    "set `hybrid_mla_attention: mqa_dsa` on a model with -2 layers, or `train_indexer_only: false`",
+                )
+            if sparse:
+                _fail(
+                    "train_indexer_only",
+                    True,
+                    "false in the sparse phase (dsa_indexer_use_sparse_loss: true): the warm-up trains the indexer "
+                    "alone on dense attention, the sparse phase trains everything",
+                    "set `dsa_indexer_use_sparse_loss: false` for the warm-up or `train_indexer_only: false`",
+                )
+            if not coeff > 0:
+                _fail(
+                    "dsa_indexer_loss_coeff",
+                    coeff,
+                    "> 0 with train_indexer_only (the KL loss is the indexer's only training signal)",
+                    "use e.g. `dsa_indexer_loss_coeff: 1.0e-2`",
+                )
 
 
 @dataclass
@@ -409,6 +542,110 @@ class FusionConfig:
     csa_sparse_attn_backend: str = _key("unfused", "Sparse attention of DSv4 layers.", ("unfused", "triton"))
     mqa_sparse_attn_backend: str = _key("unfused", "Sparse attention of -2 layers.", ("unfused", "triton"))
 
+
+RESUME_AUTO = "auto"
+LR_SCHEDULER_TYPES = ("cosine", "linear", "constant")
+
+
+@dataclass
+class TrainingConfig:
+    """Pretraining job (PaddleFormers/PaddleNLP trainer names): data, optimizer, schedule, logging, checkpoints."""
+
+    output_dir: str = _key("out", "Directory of metrics.jsonl, loss.png and the checkpoint-<step>/ directories.")
+    train_dataset_path: str = _key(
+        "builtin",
+        "Training tokens: 'builtin' (the shipped public-domain corpus, byte tokens) or a token file made by "
+        "`python -m fleet_ext.training.data` (memory-mapped).",
+    )
+    eval_dataset_path: str | None = _key(
+        None, "Held-out token file; null holds out the last eval_split_ratio of the training tokens."
+    )
+    eval_split_ratio: float = _key(0.05, "Share of the training tokens held out for evaluation (when no eval file).")
+    max_seq_len: int = _key(256, "Tokens per packed training sequence.")
+    per_device_train_batch_size: int = _key(1, "Sequences per micro-batch on each data-parallel rank.")
+    per_device_eval_batch_size: int = _key(1, "Sequences per evaluation batch on each rank.")
+    gradient_accumulation_steps: int = _key(1, "Micro-batches per optimizer step on each rank.")
+    max_steps: int = _key(1000, "Optimizer steps to train for.")
+    learning_rate: float = _key(3e-4, "Peak learning rate (after warmup).")
+    min_lr: float = _key(0.0, "Learning rate at the end of the decay.")
+    warmup_steps: int = _key(0, "Linear warmup steps from 0 to learning_rate.")
+    lr_scheduler_type: str = _key("cosine", "Decay after warmup, down to min_lr at max_steps.", LR_SCHEDULER_TYPES)
+    weight_decay: float = _key(0.0, "AdamW decoupled weight decay (not on norms, biases, sinks, position biases).")
+    adam_beta1: float = _key(0.9, "AdamW beta1.")
+    adam_beta2: float = _key(0.999, "AdamW beta2.")
+    adam_epsilon: float = _key(1e-8, "AdamW epsilon.")
+    max_grad_norm: float = _key(1.0, "Clip gradients to this global L2 norm; 0 disables clipping.")
+    seed: int = _key(42, "Seed of parameter init (same on every rank) and data order; ranks add their rank to it.")
+    logging_steps: int = _key(1, "Write a metrics.jsonl record every this many steps.")
+    eval_steps: int = _key(0, "Evaluate held-out perplexity every this many steps (0: only at the end).")
+    eval_iters: int = _key(4, "Held-out batches per evaluation on each rank; 0 disables evaluation.")
+    save_steps: int = _key(0, "Save a checkpoint every this many steps (0: only at the end).")
+    save_total_limit: int | None = _key(None, "Keep at most this many checkpoints (oldest deleted first); null: all.")
+    resume_from_checkpoint: str | None = _key(
+        None,
+        "null: start fresh (refuses an output_dir that holds checkpoints); 'auto': the newest complete "
+        "checkpoint-<step> in output_dir, or fresh if there is none; or a checkpoint directory.",
+    )
+    bf16: bool = _key(False, "bf16 autocast, fp32 master weights (GPU only: Paddle's CPU build has no bf16 matmul).")
+    disable_tqdm: bool = _key(False, "No progress bar on rank 0.")
+
+    def __post_init__(self) -> None:
+        _positive(
+            self,
+            "max_seq_len",
+            "per_device_train_batch_size",
+            "per_device_eval_batch_size",
+            "gradient_accumulation_steps",
+            "max_steps",
+            "logging_steps",
+        )
+        for key in ("warmup_steps", "eval_steps", "eval_iters", "save_steps", "seed"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                _fail(key, value, "an integer >= 0", f"set `{key}` to 0 or more")
+        for key in ("output_dir", "train_dataset_path"):
+            if not getattr(self, key).strip():
+                _fail(key, getattr(self, key), "a non-empty path", f"set `{key}`")
+        if self.eval_dataset_path is not None and not self.eval_dataset_path.strip():
+            _fail("eval_dataset_path", self.eval_dataset_path, "null or a token file", "use null to hold out a split")
+        if not 0.0 <= self.eval_split_ratio < 0.5:
+            _fail("eval_split_ratio", self.eval_split_ratio, "a number in [0, 0.5)", "use e.g. 0.05")
+        if self.eval_iters and self.eval_dataset_path is None and self.eval_split_ratio == 0.0:
+            _fail(
+                "eval_split_ratio",
+                0.0,
+                "> 0 while eval_iters > 0 and eval_dataset_path is null (nothing would be held out)",
+                "set eval_split_ratio (e.g. 0.05), give eval_dataset_path, or set eval_iters: 0",
+            )
+        if not self.learning_rate > 0:
+            _fail("learning_rate", self.learning_rate, "a number > 0", "use e.g. 3.0e-4")
+        if not 0.0 <= self.min_lr <= self.learning_rate:
+            _fail("min_lr", self.min_lr, f"a number in [0, learning_rate = {self.learning_rate}]", "lower min_lr")
+        if self.warmup_steps > self.max_steps:
+            _fail("warmup_steps", self.warmup_steps, f"<= max_steps ({self.max_steps})", "shorten the warmup")
+        for key in ("adam_beta1", "adam_beta2"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                _fail(key, getattr(self, key), "a number in [0, 1)", "use 0.9 / 0.95 / 0.999")
+        if not self.adam_epsilon > 0:
+            _fail("adam_epsilon", self.adam_epsilon, "a number > 0", "use 1.0e-8")
+        for key in ("weight_decay", "max_grad_norm"):
+            if not getattr(self, key) >= 0:
+                _fail(key, getattr(self, key), "a number >= 0", f"set `{key}` to 0 to disable")
+        if self.save_total_limit is not None and (
+            not isinstance(self.save_total_limit, int)
+            or isinstance(self.save_total_limit, bool)
+            or self.save_total_limit < 1
+        ):
+            _fail("save_total_limit", self.save_total_limit, "null or an integer >= 1", "use null to keep all")
+        if self.resume_from_checkpoint is not None and not self.resume_from_checkpoint.strip():
+            _fail(
+                "resume_from_checkpoint",
+                self.resume_from_checkpoint,
+                f"null, '{RESUME_AUTO}' or a checkpoint directory",
+                "use null to start fresh",
+            )
+
+
 # --------------------------------------------------------------------------------------------------
 # The tree, flat YAML in and out.
 # --------------------------------------------------------------------------------------------------
@@ -419,6 +656,7 @@ SECTIONS: dict[str, type] = {
     "recompute": RecomputeConfig,
     "checkpoint": CheckpointConfig,
     "fusion": FusionConfig,
+    "training": TrainingConfig,
 }
 
 # Keys that PaddleFleet, Hugging Face or the official DSv4 code spell differently: rejected with the new name.
@@ -445,6 +683,9 @@ RENAMED_KEYS: dict[str, str] = {
     "mtp_num_layers": "num_nextn_predict_layers",
     "csa_train_indexer_only": "train_indexer_only",
     "csa_indexer_init_from_scratch": "indexer_init_from_scratch",
+    "kv_lora_rank": "hybrid_mla_kv_lora_rank",  # HF DeepSeek-V3.2 / PaddleFleet plain MLA names: -2 layers here
+    "qk_nope_head_dim": "hybrid_mla_qk_nope_head_dim",
+    "indexer_rope_interleave": "dsa_indexer_rotary_interleaved",
     "dw_p2p_overlap": "p2p_overlap_dw_calc",
     "tp_degree": "tensor_model_parallel_size",
     "cp_degree": "context_parallel_size",
@@ -537,6 +778,7 @@ class FleetExtConfig:
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fusion: FusionConfig = field(default_factory=FusionConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
 
     def __post_init__(self) -> None:
         m, moe = self.model, self.moe

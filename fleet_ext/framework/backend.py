@@ -74,7 +74,7 @@ class BackendProvider:
                 f"config key `{switch}` = True cannot run on this machine ({cap.describe()}): {reason}. "
                 f"Fix: install what is missing or set `{switch}: false`"
             )
-        capability.prepare_triton()
+        capability.prepare_triton(interpreter=cap.interpreter)
         where = "Triton interpreter (CPU, slow)" if cap.interpreter else f"Triton sm{cap.sm[0]}{cap.sm[1]}"
         guarantee = "bitwise equal to the reference" if fusion.bitwise_equal else f"tolerance: {fusion.tolerance}"
         self._rows.append(ResolvedSwitch(switch, True, where, f"switch on; {guarantee}"))

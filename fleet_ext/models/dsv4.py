@@ -44,6 +44,34 @@ class DSv4ForCausalLM(FleetLayer):
             if m.tie_word_embeddings
             else paddle.nn.Linear(m.hidden_size, m.vocab_size, weight_attr=std, bias_attr=False)
         )
+        if m.train_indexer_only:
+            self.freeze_for_indexer_warmup()
+
+    # -- -2 layers: DSA indexer training --------------------------------------------------------------
+    def freeze_for_indexer_warmup(self) -> list[str]:
+        """Indexer warm-up (``train_indexer_only``): every parameter but the -2 layers' DSA indexers gets
+        ``stop_gradient = True`` (no gradient, so the optimizer leaves it alone). Returns the trainable names."""
+        from fleet_ext.layers.dsa_indexer import DSAIndexer
+
+        for param in self.parameters():
+            param.stop_gradient = True
+        trainable = []
+        for prefix, sub in self.named_sublayers():
+            if isinstance(sub, DSAIndexer):
+                for name, param in sub.named_parameters(prefix=prefix):
+                    param.stop_gradient = False
+                    trainable.append(name)
+        return trainable
+
+    def indexer_losses(self) -> dict[int, paddle.Tensor]:
+        """{layer number: detached DSA indexer KL (before ``dsa_indexer_loss_coeff``)} of the last training
+        forward, for the -2 layers that computed one; the trainer logs them (e.g. their mean as ``indexer_loss``)."""
+        out = {}
+        for i, layer in enumerate(self.layers):
+            loss = getattr(layer.self_attention, "indexer_loss", None)
+            if loss is not None:
+                out[i] = loss
+        return out
 
     def _check_ids(self, name: str, ids: paddle.Tensor | None, shape: list[int] | None = None) -> None:
         if ids is None:

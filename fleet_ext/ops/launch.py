@@ -30,7 +30,7 @@ def kernel_arg(tensor: Any) -> Any:
         return tensor
     import torch
 
-    return torch.from_dlpack(tensor)
+    return torch.from_dlpack(tensor.detach())  # Paddle refuses to export a tensor that requires grad
 
 
 def empty_like(tensor: Any, shape: Sequence[int] | None = None, dtype: Any = None) -> Any:

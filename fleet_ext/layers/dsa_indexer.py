@@ -1,0 +1,236 @@
+"""DSA indexer of the -2 (hybrid-MLA) layers (DeepSeek-V3.2 sparse attention) and its KL training loss.
+
+Score of key j for query t (``dsv4_math.md`` §6.1):
+``I[t, j] = sum_h w[t, h] * ReLU(q[t, h] . k[j])`` with
+- ``q = H(rope(c_Q W_q))`` per indexer head (``c_Q`` the MLA query latent), ``k = H(rope(LayerNorm(x W_k)))`` one
+  key shared by the heads, ``w = x W_w * n_heads^-1/2 * head_dim^-1/2``;
+- RoPE on the *leading* ``hybrid_mla_qk_rope_head_dim`` channels (``[pe | nope]``), rotate-half (non-interleaved,
+  unlike the MLA itself) unless ``dsa_indexer_rotary_interleaved``;
+- ``H`` the normalised Hadamard transform (``d^-1/2`` Sylvester matrix, a pure-Paddle butterfly). It is orthogonal,
+  so without the FP8 quantisation it follows in the official code it changes scores by rounding only (HF
+  transformers skips it for that reason; we keep it so the FP8 path can slot in).
+Query t sees keys j <= t. The sparse phase keeps the top ``dsa_index_topk`` keys and, when
+``dsa_indexer_force_window``, the last ``csa_window_size`` keys (the top-k then picks among the older ones,
+PaddleFleet's ``valid_range``); ``-1`` marks an empty slot.
+
+Training (§6.3): the indexer's inputs are detached, so the LM loss never reaches it and its KL loss never reaches
+the backbone. The KL target is the main attention's probabilities summed over heads, L1-normalised over the
+candidate set (the whole causal set in the warm-up, the top-k picks in the sparse phase); the student is the
+softmax of the index scores over the same set. ``DSAIndexerLossAutoScaler`` attaches ``coeff * KL`` to the attention
+output: the forward value is unchanged, the backward adds the loss gradient (Megatron's ``DSAIndexerLossAutoScaler``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import paddle
+from paddle.autograd import PyLayer
+
+from fleet_ext.config import ModelConfig
+from fleet_ext.framework.layer import FleetLayer
+from fleet_ext.layers.compressor import _normal
+from fleet_ext.layers.index_tables import window_index_table
+
+__all__ = [
+    "DSAIndexer",
+    "DSAIndexerLossAutoScaler",
+    "dsa_index_table",
+    "gather_rows",
+    "hadamard_transform",
+    "indexer_kl_loss",
+    "indexer_rope",
+]
+
+# Finite stand-in for -inf in the student logits: keeps log-softmax and its gradient NaN-free on empty rows.
+_MASKED_LOGIT = -1.0e30
+
+
+def hadamard_transform(x: paddle.Tensor) -> paddle.Tensor:
+    """``x @ H / sqrt(d)`` over the last axis (Sylvester Hadamard, d a power of two), fp32 butterfly, cast back."""
+    width = x.shape[-1]
+    if width < 1 or width & (width - 1):
+        raise ValueError(f"hadamard_transform: last dim of `x` must be a power of two, got shape {x.shape}")
+    lead = list(x.shape[:-1])
+    y = x.astype("float32").reshape([-1, width])
+    span = 1
+    while span < width:
+        y = y.reshape([-1, width // (2 * span), 2, span])
+        a, b = y[:, :, 0, :], y[:, :, 1, :]
+        y = paddle.stack([a + b, a - b], axis=2)
+        span *= 2
+    return (y.reshape(lead + [width]) * width**-0.5).astype(x.dtype)
+
+
+def indexer_rope(
+    x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor, interleaved: bool = False
+) -> paddle.Tensor:
+    """Rotate the *leading* ``2 * cos.shape[-1]`` channels of x [b, s, d] or [b, s, h, d] ([pe | nope] layout).
+
+    Rotate-half pairs channel i with i + rd/2 (DeepSeek-V3.2 indexer, HF ``apply_rotary_pos_emb``); interleaved
+    pairs 2i with 2i+1. cos/sin are [s, rd/2].
+    """
+    if x.ndim not in (3, 4) or cos.ndim != 2 or cos.shape != sin.shape or cos.shape[0] != x.shape[1]:
+        raise ValueError(
+            f"indexer_rope: `x` must be [b, s, (h,) d] and cos/sin [s, rd/2] with s = {x.shape[1] if x.ndim else '?'}, "
+            f"got x {x.shape}, cos {cos.shape}, sin {sin.shape}"
+        )
+    half = cos.shape[-1]
+    rope_dim = 2 * half
+    if rope_dim > x.shape[-1]:
+        raise ValueError(f"indexer_rope: rope width {rope_dim} exceeds the head width {x.shape[-1]}")
+    cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
+    if x.ndim == 4:
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    pe = x[..., :rope_dim].astype("float32")
+    if interleaved:
+        even, odd = pe[..., 0::2], pe[..., 1::2]
+        rotated = paddle.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1).reshape(pe.shape)
+    else:
+        first, second = pe[..., :half], pe[..., half:]
+        rotated = paddle.concat([first * cos - second * sin, second * cos + first * sin], axis=-1)
+    return paddle.concat([rotated.astype(x.dtype), x[..., rope_dim:]], axis=-1)
+
+
+def gather_rows(rows: paddle.Tensor, idx: paddle.Tensor) -> paddle.Tensor:
+    """rows [b, n, d], idx [b, s, K] (-1 allowed; those slots read row 0) -> [b, s, K, d]."""
+    batch, n_rows, width = rows.shape
+    seq, slots = idx.shape[1], idx.shape[2]
+    offset = (paddle.arange(batch, dtype="int64") * n_rows).reshape([batch, 1, 1])
+    flat = paddle.clip(idx.astype("int64"), min=0) + offset
+    return paddle.gather(rows.reshape([batch * n_rows, width]), flat.reshape([-1])).reshape(
+        [batch, seq, slots, width]
+    )
+
+
+def dsa_index_table(scores: paddle.Tensor, topk: int, window: int) -> tuple[paddle.Tensor, int]:
+    """Sparse-phase KV table [b, s, k_top + min(window, s)] (int32, -1 invalid) and k_top.
+
+    Columns ``[:k_top]``: the indexer's top ``k_top = min(topk, max(0, s - window))`` keys among the candidates
+    j <= t - window (all j <= t when ``window`` is 0), best first; then the forced window t-W+1 .. t.
+    """
+    if scores.ndim != 3 or scores.shape[1] != scores.shape[2]:
+        raise ValueError(f"dsa_index_table: `scores` must be [b, s, s], got shape {scores.shape}")
+    if topk <= 0 or window < 0:
+        raise ValueError(f"dsa_index_table: need topk > 0 and window >= 0, got topk={topk}, window={window}")
+    batch, seq, _ = scores.shape
+    last_candidate = (paddle.arange(seq, dtype="int64") - window).reshape([1, seq, 1])  # j <= t - window
+    k_top = min(topk, max(0, seq - window))
+    parts = []
+    if k_top:
+        keys = paddle.arange(seq, dtype="int64").reshape([1, 1, seq])
+        masked = paddle.where(keys <= last_candidate, scores, paddle.full_like(scores, float("-inf")))
+        top = paddle.topk(masked, k=k_top, axis=-1).indices
+        parts.append(paddle.where(top <= last_candidate, top, paddle.full_like(top, -1)).astype("int32"))
+    if window:
+        table = window_index_table(seq, min(window, seq))
+        parts.append(table.unsqueeze(0).expand([batch, seq, table.shape[1]]).astype("int32"))
+    return paddle.concat(parts, axis=-1), k_top
+
+
+def indexer_kl_loss(
+    index_logits: paddle.Tensor,
+    attn_logits: paddle.Tensor,
+    attn_lse: paddle.Tensor,
+    valid: paddle.Tensor,
+    row_mask: paddle.Tensor | None = None,
+) -> paddle.Tensor:
+    """Mean over kept rows of ``KL(target || softmax(index_logits))`` on each row's candidate set.
+
+    index_logits [b, s, K] (the indexer scores, differentiable); attn_logits [b, s, h, K] (scaled main-attention
+    logits) and attn_lse [b, s, h] (its sink-inclusive log-sum-exp) give the per-head probabilities, summed over
+    heads and L1-normalised over the valid slots into the target (no gradient). valid [b, s, K] bool; row_mask
+    [b, s] bool (False: padding row, skipped). Rows without a valid slot are skipped.
+    """
+    with paddle.no_grad():
+        per_head = paddle.exp(attn_logits.astype("float32") - attn_lse.astype("float32").unsqueeze(-1))
+        mass = paddle.where(valid.unsqueeze(2), per_head, paddle.zeros_like(per_head)).sum(axis=2)  # [b, s, K]
+        total = mass.sum(axis=-1, keepdim=True)
+        target = mass / paddle.clip(total, min=1e-30)
+        keep = total.squeeze(-1) > 0
+        if row_mask is not None:
+            keep = paddle.logical_and(keep, row_mask)
+        keep = keep.astype("float32")
+        positive = target > 0
+        log_target = paddle.log(paddle.where(positive, target, paddle.ones_like(target)))
+    logits = paddle.where(valid, index_logits.astype("float32"), paddle.full_like(index_logits, _MASKED_LOGIT))
+    log_student = logits - paddle.logsumexp(logits, axis=-1, keepdim=True)
+    terms = paddle.where(positive, target * (log_target - log_student), paddle.zeros_like(log_student))
+    per_row = terms.sum(axis=-1)
+    return (per_row * keep).sum() / paddle.clip(keep.sum(), min=1.0)
+
+
+class DSAIndexerLossAutoScaler(PyLayer):
+    """Identity on ``output`` whose backward also feeds ``d(loss) = main_loss_backward_scale`` (Megatron).
+
+    Attaches the (already coefficient-scaled) indexer loss to the attention output without changing the forward
+    value. A frozen ``output`` (indexer warm-up) comes back as a copy that requires grad, so the LM loss's backward
+    still reaches the loss; the frozen side gets no gradient (PaddleFleet returns ``output.clone()`` there too).
+    ``main_loss_backward_scale`` is set by the trainer (loss scale / gradient-accumulation steps), like
+    ``MoEAuxLossAutoScaler``.
+    """
+
+    main_loss_backward_scale: float = 1.0
+
+    @staticmethod
+    def forward(ctx: Any, output: paddle.Tensor, loss: paddle.Tensor) -> paddle.Tensor:
+        ctx.save_for_backward(loss)
+        ctx.output_needs_grad = not output.stop_gradient
+        # Paddle refuses to hand back a leaf as a PyLayer output (in-place rule): copy leaves and frozen outputs.
+        return output.clone() if output.is_leaf else output
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: paddle.Tensor) -> tuple[paddle.Tensor | None, paddle.Tensor]:
+        (loss,) = ctx.saved_tensor()
+        grad_loss = paddle.ones_like(loss) * DSAIndexerLossAutoScaler.main_loss_backward_scale
+        return (grad_output if ctx.output_needs_grad else None), grad_loss
+
+    @staticmethod
+    def set_loss_scale(scale: float) -> None:
+        """Scale of the indexer-loss gradient (the main loss's backward scale)."""
+        DSAIndexerLossAutoScaler.main_loss_backward_scale = float(scale)
+
+
+class DSAIndexer(FleetLayer):
+    """DSA lightning indexer of one -2 layer: ``linear_wq_b``, ``linear_wk``, ``k_norm``, ``linear_weights_proj``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads = config.dsa_index_n_heads
+        self.head_dim = config.dsa_index_head_dim
+        self.interleaved = config.dsa_indexer_rotary_interleaved
+        std = config.init_method_std
+        self.linear_wq_b = paddle.nn.Linear(
+            config.hybrid_mla_q_lora_rank, self.n_heads * self.head_dim, weight_attr=_normal(std), bias_attr=False
+        )
+        self.linear_wk = paddle.nn.Linear(config.hidden_size, self.head_dim, weight_attr=_normal(std), bias_attr=False)
+        self.k_norm = paddle.nn.LayerNorm(self.head_dim, epsilon=1e-6)  # LayerNorm, not RMSNorm (V3.2)
+        self.linear_weights_proj = paddle.nn.Linear(
+            config.hidden_size, self.n_heads, weight_attr=_normal(std), bias_attr=False
+        )
+
+    def forward(
+        self, x: paddle.Tensor, q_latent: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor
+    ) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
+        """(q [b, s, h, d], k [b, s, d], w [b, s, h]) in fp32 from detached x [b, s, D] and q_latent [b, s, r]."""
+        x, q_latent = x.detach(), q_latent.detach()
+        batch, seq, _ = x.shape
+        q = self.linear_wq_b(q_latent).reshape([batch, seq, self.n_heads, self.head_dim]).astype("float32")
+        q = hadamard_transform(indexer_rope(q, cos, sin, self.interleaved))
+        k = self.k_norm(self.linear_wk(x).astype("float32"))
+        k = hadamard_transform(indexer_rope(k, cos, sin, self.interleaved))
+        w = self.linear_weights_proj(x).astype("float32") * (self.n_heads**-0.5 * self.head_dim**-0.5)
+        return q, k, w
+
+    @staticmethod
+    def scores(q: paddle.Tensor, k: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
+        """All-pairs index scores [b, s, s_k] (no causal mask): ``sum_h w * ReLU(q_h . k)``."""
+        logits = paddle.matmul(q, k.unsqueeze(1), transpose_y=True)  # [b, s, h, s_k]
+        return (paddle.nn.functional.relu(logits) * w.unsqueeze(-1)).sum(axis=2)
+
+    @staticmethod
+    def gathered_scores(q: paddle.Tensor, k: paddle.Tensor, w: paddle.Tensor, idx: paddle.Tensor) -> paddle.Tensor:
+        """Index scores [b, s, K] of the keys in idx [b, s, K] (-1 slots hold garbage; mask them)."""
+        keys = gather_rows(k, idx)  # [b, s, K, d]
+        logits = paddle.matmul(q, keys, transpose_y=True)  # [b, s, h, K]
+        return (paddle.nn.functional.relu(logits) * w.unsqueeze(-1)).sum(axis=2)

@@ -1,0 +1,294 @@
+"""Triton partial interleaved RoPE: forward, inverse, its gradient, in place, and the trailing-channel slice.
+
+Framework-agnostic host launchers (Paddle or torch tensors, through :mod:`fleet_ext.ops.launch`); this
+module imports neither Paddle nor torch. The arithmetic is the reference's (``reference.py``) op for op,
+so the result is bitwise equal to eager:
+
+- load in the tensor dtype, convert to fp32 (exact for bf16/fp16; fp64 rounds to fp32 as the reference's
+  ``astype`` does), ``sin`` negated for the inverse (exact);
+- ``even*cos - odd*sin`` and ``odd*cos + even*sin`` with each product rounded to fp32 on its own. On a
+  GPU the compiler would contract ``a*b - c*d`` into an FMA (one rounding fewer than eager's separate
+  multiply and subtract kernels), so there every product, sum and difference is an inline-PTX
+  ``mul.rn`` / ``sub.rn`` / ``add.rn`` (explicit rounding modifiers are never contracted, never
+  flushed); the interpreter (numpy, one rounding per op) uses plain operators — a constexpr picks;
+- the store narrows fp32 -> bf16/fp16 round-to-nearest-even, as eager's cast does (NaN payloads aside:
+  PTX ``cvt.rn`` returns the canonical NaN);
+- the gradient is the opposite rotation, plus autograd's accumulation of the sliced gradients into
+  zeros: ``g + 0.0`` turns a ``-0.0`` into ``+0.0`` on every channel (pass-through ones included), which
+  is what Paddle's slice/concat backward produces (``rope_grad``).
+
+Layout: ``x`` is [b, s, h, d] or [b, s, d] with any strides; ``cos``/``sin`` are fp32 [s, rd/2] or
+[b|1, s, rd/2]; the rotated channels are the trailing ``rd = 2 * cos.shape[-1]`` ones, pairs (2i, 2i+1)
+of that slice. One program handles a block of consecutive (batch, position, head) vectors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import triton
+import triton.language as tl
+
+from fleet_ext.ops.launch import empty_like, launch
+
+_FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+@triton.jit
+def _mul_rn(a, b, USE_PTX: tl.constexpr):
+    """a * b rounded to fp32 on its own (never contracted into an FMA)."""
+    if USE_PTX:
+        r = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+    else:
+        r = a * b
+    return r
+
+
+@triton.jit
+def _add_rn(a, b, USE_PTX: tl.constexpr):
+    if USE_PTX:
+        r = tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+    else:
+        r = a + b
+    return r
+
+
+@triton.jit
+def _sub_rn(a, b, USE_PTX: tl.constexpr):
+    if USE_PTX:
+        r = tl.inline_asm_elementwise("sub.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+    else:
+        r = a - b
+    return r
+
+
+@triton.jit
+def _plus_zero(v, USE_PTX: tl.constexpr):
+    """``v + 0.0`` in fp32 (fp64 for fp64): -0.0 -> +0.0, every other value unchanged (exact).
+
+    ``tl.full``, not ``tl.zeros_like``: the latter is a jit function of triton.language.standard, which the
+    interpreter cannot call when Triton was imported before TRITON_INTERPRET was set.
+    """
+    if v.dtype == tl.float64:
+        r = v + tl.full(v.shape, 0.0, tl.float64)
+    else:
+        w = v.to(tl.float32)
+        r = _add_rn(w, tl.full(w.shape, 0.0, tl.float32), USE_PTX)
+    return r
+
+
+@triton.jit
+def _rope_kernel(
+    x_ptr, out_ptr, cos_ptr, sin_ptr,
+    TOTAL, S, H,
+    x_sb, x_ss, x_sh, x_sd,
+    o_sb, o_ss, o_sh, o_sd,
+    c_sb, c_ss, c_sk,
+    n_sb, n_ss, n_sk,
+    COPY_START: tl.constexpr, NOPE: tl.constexpr, SHIFT: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    INVERSE: tl.constexpr, ZERO_FIX: tl.constexpr, DOWNCAST: tl.constexpr, USE_PTX: tl.constexpr,
+):
+    """out[..., c - SHIFT] = x[..., c] for c in [COPY_START, NOPE); rotated x[..., NOPE:] at NOPE - SHIFT on.
+
+    Each program takes BLOCK_M consecutive (batch, position, head) vectors of the flattened index space.
+    """
+    m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = m < TOTAL
+    head = m % H
+    row = m // H
+    b = row // S
+    s = row % S
+    x_vec = x_ptr + (b * x_sb + s * x_ss + head * x_sh)[:, None]
+    o_vec = out_ptr + (b * o_sb + s * o_ss + head * o_sh)[:, None]
+    out_dtype = out_ptr.dtype.element_ty
+
+    # Pass-through channels (an out-of-place copy; empty range in place and for the bare pe slice).
+    for n0 in range(COPY_START, NOPE, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        mask = m_mask[:, None] & (n < NOPE)[None, :]
+        v = tl.load(x_vec + n[None, :] * x_sd, mask=mask)
+        if ZERO_FIX:
+            v = _plus_zero(v, USE_PTX)  # exact, so the plain narrowing below is too
+        tl.store(o_vec + (n - SHIFT)[None, :] * o_sd, v.to(out_dtype), mask=mask)
+
+    k = tl.arange(0, BLOCK_K)
+    k_mask = m_mask[:, None] & (k < HALF)[None, :]
+    cos = tl.load(cos_ptr + (b * c_sb + s * c_ss)[:, None] + (k * c_sk)[None, :], mask=k_mask, other=0.0)
+    sin = tl.load(sin_ptr + (b * n_sb + s * n_ss)[:, None] + (k * n_sk)[None, :], mask=k_mask, other=0.0)
+    cos = cos.to(tl.float32)
+    sin = sin.to(tl.float32)
+    if INVERSE:
+        sin = -sin
+    ch = tl.arange(0, 2 * BLOCK_K)
+    mask = m_mask[:, None] & (ch < 2 * HALF)[None, :]
+    pairs = tl.load(x_vec + (NOPE + ch)[None, :] * x_sd, mask=mask, other=0.0).to(tl.float32)
+    even, odd = tl.split(tl.reshape(pairs, (BLOCK_M, BLOCK_K, 2)))
+    rot_even = _sub_rn(_mul_rn(even, cos, USE_PTX), _mul_rn(odd, sin, USE_PTX), USE_PTX)
+    rot_odd = _add_rn(_mul_rn(odd, cos, USE_PTX), _mul_rn(even, sin, USE_PTX), USE_PTX)
+    rotated = tl.reshape(tl.join(rot_even, rot_odd), (BLOCK_M, 2 * BLOCK_K))
+    if DOWNCAST:  # fp32 -> bf16/fp16 round to nearest even, as eager's cast
+        rotated = rotated.to(out_dtype, fp_downcast_rounding="rtne")
+    else:
+        rotated = rotated.to(out_dtype)
+    if ZERO_FIX:  # after the narrowing: a tiny negative may round to -0.0 in bf16, which autograd's add fixes
+        rotated = _plus_zero(rotated, USE_PTX).to(out_dtype)
+    tl.store(o_vec + (NOPE - SHIFT + ch)[None, :] * o_sd, rotated, mask=mask)
+
+
+# The interpreter runs numpy (one rounding per op, no contraction, no inline asm); a compiled kernel
+# takes the PTX route. Decided by how Triton built the kernel, i.e. by TRITON_INTERPRET at import.
+USE_PTX = type(_rope_kernel).__name__ != "InterpretedFunction"
+
+
+def _strides(t: Any) -> list[int]:
+    strides = getattr(t, "strides", None)  # Paddle
+    return list(strides if strides is not None and not callable(strides) else t.stride())
+
+
+def _detached(t: Any) -> Any:
+    """The same storage without autograd (Paddle refuses to DLPack-export a tensor that requires grad)."""
+    return t.detach() if getattr(t, "stop_gradient", True) is False or getattr(t, "requires_grad", False) else t
+
+
+def _dtype_name(t: Any) -> str:
+    return str(t.dtype).rsplit(".", 1)[-1]
+
+
+def _shape(t: Any) -> list[int]:
+    return [int(n) for n in t.shape]
+
+
+def check_args(x: Any, cos: Any, sin: Any, fn: str = "apply_partial_rope") -> int:
+    """The reference's validation (same messages: shapes print as the framework prints them), plus dtype limits.
+
+    Returns rd/2.
+    """
+    if x.ndim not in (3, 4):
+        raise ValueError(f"{fn}: `x` must be [b, s, h, d] or [b, s, d], got shape {x.shape}")
+    if cos.ndim not in (2, 3) or (cos.ndim == 3 and cos.shape[0] not in (1, x.shape[0])):
+        raise ValueError(f"{fn}: `cos` must be [s, rd/2] or [b, s, rd/2] with b={x.shape[0]}, "
+                         f"got shape {cos.shape}")
+    half = int(cos.shape[-1])
+    rope_dim = 2 * half
+    if x.shape[-1] < rope_dim:
+        raise ValueError(f"{fn}: `x` last dim {x.shape[-1]} is smaller than the rope width {rope_dim}")
+    if _shape(cos) != _shape(sin):
+        raise ValueError(f"{fn}: `cos` {cos.shape} and `sin` {sin.shape} differ")
+    if x.shape[1] != cos.shape[-2]:
+        raise ValueError(f"{fn}: `x` has {x.shape[1]} positions, `cos` has {cos.shape[-2]}")
+    if _dtype_name(x) not in _FLOAT_DTYPES:
+        raise ValueError(f"{fn}: `x` must be a floating tensor ({', '.join(_FLOAT_DTYPES)}), got {_dtype_name(x)}")
+    for name, table in (("cos", cos), ("sin", sin)):
+        if _dtype_name(table) != "float32":
+            raise ValueError(f"{fn}: `{name}` must be float32 (the rotation runs in fp32), got {_dtype_name(table)}")
+    return half
+
+
+def _geometry(t: Any) -> tuple[int, int, int, int, list[int]]:
+    """(b, s, h, d, [sb, ss, sh, sd]) with h = 1 for [b, s, d]."""
+    shape, strides = _shape(t), _strides(t)
+    if len(shape) == 4:
+        return shape[0], shape[1], shape[2], shape[3], strides
+    return shape[0], shape[1], 1, shape[2], [strides[0], strides[1], 0, strides[2]]
+
+
+def _table_strides(table: Any, batch: int) -> list[int]:
+    strides = _strides(table)
+    if table.ndim == 2:
+        return [0, strides[0], strides[1]]
+    return [strides[0] if table.shape[0] == batch and batch > 1 else 0, strides[1], strides[2]]
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(int(n), 1).bit_length() - 1)
+
+
+def _plan(total: int, d: int, half: int, copy_start: int, use_ptx: bool) -> dict[str, int]:
+    """Block sizes for one launch (constexpr meta-parameters)."""
+    nope = d - 2 * half
+    copy_width = nope - copy_start
+    block_k = _pow2(half)
+    block_n = min(128, _pow2(copy_width))
+    while block_n > 32 and copy_width % block_n:  # a block that tiles the pass-through exactly (448 -> 64)
+        block_n //= 2
+    if copy_width % block_n:
+        block_n = min(128, _pow2(copy_width))
+    if use_ptx:
+        # GPU: ~4096 elements per loop iteration (16-byte accesses for 4 warps), a few waves of programs.
+        width = max(2 * block_k, block_n if copy_width > 0 else 1)
+        block_m = _pow2_floor(4096 // width)
+        while block_m > 8 and triton.cdiv(total, block_m) < 4 * 132:
+            block_m //= 2
+    else:
+        # Interpreter: numpy pays per op, not per element, so take big tiles.
+        block_m = _pow2_floor((1 << 17) // (2 * block_k + (_pow2(copy_width) if copy_width > 0 else 0)))
+    return {"BLOCK_M": min(block_m, _pow2(total)), "BLOCK_K": block_k, "BLOCK_N": block_n}
+
+
+def _launch(x: Any, out: Any, cos: Any, sin: Any, *, copy_start: int, shift: int, inverse: bool,
+            zero_fix: bool) -> None:
+    half = int(cos.shape[-1])
+    b, s, h, d, x_strides = _geometry(x)
+    _, _, _, _, o_strides = _geometry(out)
+    total = b * s * h
+    if total == 0:
+        return
+    plan = _plan(total, d, half, copy_start, USE_PTX)
+    launch(
+        _rope_kernel, (triton.cdiv(total, plan["BLOCK_M"]),),
+        _detached(x), _detached(out), _detached(cos), _detached(sin),
+        total, s, h,
+        *x_strides, *o_strides, *_table_strides(cos, b), *_table_strides(sin, b),
+        COPY_START=copy_start, NOPE=d - 2 * half, SHIFT=shift, HALF=half, **plan,
+        INVERSE=bool(inverse), ZERO_FIX=bool(zero_fix), DOWNCAST=_dtype_name(out) in ("bfloat16", "float16"),
+        USE_PTX=USE_PTX, num_warps=4,
+    )
+
+
+def rope(x: Any, cos: Any, sin: Any, inverse: bool = False) -> Any:
+    """Out of place: a new contiguous tensor like ``x`` with its trailing rd channels rotated."""
+    check_args(x, cos, sin)
+    out = empty_like(x)
+    _launch(x, out, cos, sin, copy_start=0, shift=0, inverse=inverse, zero_fix=False)
+    return out
+
+
+def rope_grad(grad: Any, cos: Any, sin: Any, inverse: bool = False) -> Any:
+    """The gradient of :func:`rope` (``inverse`` as in the forward): the opposite rotation, -0.0 -> +0.0."""
+    check_args(grad, cos, sin, "apply_partial_rope (backward)")
+    out = empty_like(grad)
+    _launch(grad, out, cos, sin, copy_start=0, shift=0, inverse=not inverse, zero_fix=True)
+    return out
+
+
+def rope_(x: Any, cos: Any, sin: Any, inverse: bool = False) -> Any:
+    """In place: rotates only the trailing rd channels of ``x`` (any strides); returns ``x``."""
+    check_args(x, cos, sin, "apply_partial_rope_")
+    nope = int(x.shape[-1]) - 2 * int(cos.shape[-1])
+    _launch(x, x, cos, sin, copy_start=nope, shift=0, inverse=inverse, zero_fix=False)
+    return x
+
+
+def rope_tail(x: Any, cos: Any, sin: Any, start: int, inverse: bool = False) -> Any:
+    """A new contiguous ``[..., d - start]`` tensor: channels ``start:`` of ``x`` with the rope ones rotated.
+
+    ``start`` is at most ``d - rd``; channels ``start .. d - rd`` are copied as they are. With
+    ``start = d - rd`` it is the bare rotated pe slice; it never materialises the full width unless
+    ``start == 0``.
+    """
+    check_args(x, cos, sin, "rope_tail")
+    d = int(x.shape[-1])
+    nope = d - 2 * int(cos.shape[-1])
+    if not 0 <= start <= nope:
+        raise ValueError(f"rope_tail: `start` must be in [0, {nope}] (the pass-through width), got {start}")
+    out = empty_like(x, shape=_shape(x)[:-1] + [d - start])
+    _launch(x, out, cos, sin, copy_start=start, shift=start, inverse=inverse, zero_fix=False)
+    return out

@@ -1,0 +1,176 @@
+"""Triton attention-sink gradient: ``d_sink[h] = sum_{b,t} exp(sink_h - lse) * (d_lse - rowsum(dO * O))``.
+
+Framework-agnostic host launcher (Paddle or torch tensors, through :mod:`fleet_ext.ops.launch`); this
+module imports neither Paddle nor torch. See ``reference.py`` for the maths.
+
+**Deterministic, no atomics.** Stage 1 (``_sink_grad_partial_kernel``): program ``(i, j)`` owns tokens
+``[i*TOK, (i+1)*TOK)`` of the flattened ``B*S`` axis and heads block ``j``; ``BLOCK_T`` tokens at a time
+(one on a GPU) it forms ``Delta`` over ``d`` in fp32 and adds ``p_sink * (d_lse - Delta)`` to per-(token
+slot, head) fp32 accumulators, which it sums over the slots and writes to ``partials[i, heads]``. Stage 2
+(``_sink_grad_reduce_kernel``) sums the partials of every head over ``i`` in a fixed blocked order. The
+same inputs and shapes give byte-identical ``d_sink`` run after run. It is not bitwise equal to autograd
+of the reference (a different summation order): fp32 rounding differences only.
+
+Streaming: ``dO`` and ``O`` ([B, S, H, d], any strides, any float dtype, widened to fp32 in registers) are
+read once; a token's [BLOCK_H, BLOCK_D] tiles are 16-byte vector loads when ``d`` is the contiguous axis.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import triton
+import triton.language as tl
+
+from fleet_ext.ops.launch import empty_like, launch
+
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@triton.jit
+def _sink_grad_partial_kernel(
+    do_ptr, o_ptr, lse_ptr, dlse_ptr, sink_ptr, part_ptr,
+    T, S, H,
+    do_sb, do_ss, do_sh, do_sd,
+    o_sb, o_ss, o_sh, o_sd,
+    l_sb, l_ss, l_sh,
+    dl_sb, dl_ss, dl_sh,
+    D: tl.constexpr, TOK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_DO: tl.constexpr, HAS_DLSE: tl.constexpr,
+):
+    """partials[i, h] = sum over tokens [i*TOK, (i+1)*TOK) of p_sink * (d_lse - rowsum(dO * O)), in fixed order."""
+    pid_t = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = heads < H
+    sink = tl.load(sink_ptr + heads, mask=h_mask, other=0.0)
+    acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+    for t0 in range(0, TOK, BLOCK_T):
+        t = pid_t.to(tl.int64) * TOK + t0 + tl.arange(0, BLOCK_T)
+        b = t // S
+        s = t - b * S
+        mask = (t < T)[:, None] & h_mask[None, :]
+        lse = tl.load(lse_ptr + (b * l_sb + s * l_ss)[:, None] + heads[None, :] * l_sh, mask=mask, other=0.0)
+        p_sink = tl.exp(sink[None, :] - lse)
+        weight = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+        if HAS_DO:
+            do_row = do_ptr + (b * do_sb + s * do_ss)[:, None, None] + heads[None, :, None] * do_sh
+            o_row = o_ptr + (b * o_sb + s * o_ss)[:, None, None] + heads[None, :, None] * o_sh
+            prod = tl.zeros([BLOCK_T, BLOCK_H, BLOCK_D], dtype=tl.float32)
+            for d0 in range(0, D, BLOCK_D):
+                cols = d0 + tl.arange(0, BLOCK_D)
+                m3 = mask[:, :, None] & (cols < D)[None, None, :]
+                do = tl.load(do_row + cols[None, None, :] * do_sd, mask=m3, other=0.0).to(tl.float32)
+                o = tl.load(o_row + cols[None, None, :] * o_sd, mask=m3, other=0.0).to(tl.float32)
+                prod += do * o
+            weight -= tl.sum(prod, axis=2)
+        if HAS_DLSE:
+            weight += tl.load(dlse_ptr + (b * dl_sb + s * dl_ss)[:, None] + heads[None, :] * dl_sh, mask=mask,
+                              other=0.0)
+        acc += tl.where(mask, p_sink * weight, 0.0)
+    tl.store(part_ptr + pid_t.to(tl.int64) * H + heads, tl.sum(acc, axis=0), mask=h_mask)
+
+
+@triton.jit
+def _sink_grad_reduce_kernel(part_ptr, out_ptr, H, P: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[h] = sum_i partials[i, h], i in blocks of BLOCK_P (P constexpr: the interpreter needs static loop bounds)."""
+    heads = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = heads < H
+    acc = tl.zeros([BLOCK_P, BLOCK_H], dtype=tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        rows = p0 + tl.arange(0, BLOCK_P)
+        m = (rows < P)[:, None] & h_mask[None, :]
+        acc += tl.load(part_ptr + rows[:, None].to(tl.int64) * H + heads[None, :], mask=m, other=0.0)
+    tl.store(out_ptr + heads, tl.sum(acc, axis=0), mask=h_mask)
+
+
+def _dtype_name(t: Any) -> str:
+    return str(t.dtype).rsplit(".", 1)[-1]
+
+
+def _shape(t: Any) -> list[int]:
+    return [int(n) for n in t.shape]
+
+
+def _strides(t: Any) -> list[int]:
+    strides = getattr(t, "strides", None)  # Paddle: a list attribute; torch: the stride() method
+    return [int(s) for s in (strides if strides is not None and not callable(strides) else t.stride())]
+
+
+def _detached(t: Any) -> Any:
+    """The same storage without autograd (Paddle refuses to DLPack-export a tensor that requires grad)."""
+    return t.detach() if getattr(t, "stop_gradient", True) is False or getattr(t, "requires_grad", False) else t
+
+
+def is_interpreted() -> bool:
+    return type(_sink_grad_partial_kernel).__name__ == "InterpretedFunction"
+
+
+def check_args(d_out: Any, out: Any, lse: Any, sink: Any, d_lse: Any = None, fn: str = "sink_grad") -> None:
+    """Shapes and dtypes; errors name the tensor."""
+    ref = lse if out is None else out
+    if out is not None:
+        if out.ndim != 4 or _dtype_name(out) not in FLOAT_DTYPES:
+            raise ValueError(f"{fn}: `out` must be [B, S, H, d] float, got {_dtype_name(out)} {_shape(out)}")
+        if d_out is None or _shape(d_out) != _shape(out) or _dtype_name(d_out) not in FLOAT_DTYPES:
+            got = "None" if d_out is None else f"{_dtype_name(d_out)} {_shape(d_out)}"
+            raise ValueError(f"{fn}: `d_out` must be float with out's shape {_shape(out)}, got {got}")
+        bsh = _shape(out)[:3]
+    else:
+        if lse is None or lse.ndim != 3:
+            raise ValueError(f"{fn}: `lse` must be fp32 [B, S, H], got {None if lse is None else _shape(lse)}")
+        bsh = _shape(ref)
+    if _shape(lse) != bsh or _dtype_name(lse) != "float32":
+        raise ValueError(f"{fn}: `lse` must be float32 {bsh}, got {_dtype_name(lse)} {_shape(lse)}")
+    if _shape(sink) != [bsh[2]] or _dtype_name(sink) != "float32":
+        raise ValueError(f"{fn}: `sink` must be float32 [{bsh[2]}], got {_dtype_name(sink)} {_shape(sink)}")
+    if d_lse is not None and (_shape(d_lse) != bsh or _dtype_name(d_lse) != "float32"):
+        raise ValueError(f"{fn}: `d_lse` must be float32 {bsh}, got {_dtype_name(d_lse)} {_shape(d_lse)}")
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def config(tokens: int, heads: int, dim: int) -> dict:
+    """Fixed launch configuration (no autotuning)."""
+    if is_interpreted():  # numpy per op: few programs, one step per program
+        block_t = min(64, _pow2(tokens))
+        return dict(TOK=block_t, BLOCK_T=block_t, BLOCK_H=_pow2(heads), BLOCK_D=_pow2(dim), num_warps=4)
+    block_h = min(64, _pow2(heads))
+    # one token per step, 8192 elements (16 KiB of bf16) per operand per d step: 32 per thread at 8 warps,
+    # i.e. 4 x 16-byte loads per operand in flight; 16 tokens per program (1024 programs at 16384 tokens)
+    block_d = min(_pow2(dim), max(16, 8192 // block_h))
+    return dict(TOK=16, BLOCK_T=1, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=8)
+
+
+def sink_grad(d_out: Any, out: Any, lse: Any, sink: Any, d_lse: Any = None) -> Any:
+    """``d_sink`` fp32 [H] (a new tensor like ``sink``); ``d_out``/``out`` may be None when only ``d_lse`` flows."""
+    check_args(d_out, out, lse, sink, d_lse)
+    batch, seq, heads = _shape(lse)
+    dim = _shape(out)[3] if out is not None else 1
+    tokens = batch * seq
+    cfg = config(tokens, heads, dim)
+    n_part = max(1, triton.cdiv(tokens, cfg["TOK"]))
+    partials = empty_like(sink, shape=[n_part, heads])
+    d_sink = empty_like(sink)
+    if heads == 0:
+        return d_sink
+    has_do = out is not None
+    do_t, o_t = (d_out, out) if has_do else (lse, lse)  # placeholders, never read
+    do_s = _strides(d_out) if has_do else [0, 0, 0, 0]
+    o_s = _strides(out) if has_do else [0, 0, 0, 0]
+    dl_t = d_lse if d_lse is not None else lse
+    dl_s = _strides(d_lse) if d_lse is not None else [0, 0, 0]
+    launch(
+        _sink_grad_partial_kernel, (n_part, triton.cdiv(heads, cfg["BLOCK_H"])),
+        _detached(do_t), _detached(o_t), _detached(lse), _detached(dl_t), _detached(sink), partials,
+        tokens, seq, heads,
+        *do_s, *o_s, *_strides(lse), *dl_s,
+        D=dim, TOK=cfg["TOK"], BLOCK_T=cfg["BLOCK_T"], BLOCK_H=cfg["BLOCK_H"], BLOCK_D=cfg["BLOCK_D"],
+        HAS_DO=has_do, HAS_DLSE=d_lse is not None, num_warps=cfg["num_warps"],
+    )
+    block_h = min(64, _pow2(heads))
+    block_p = max(1, min(_pow2(n_part), 4096 // block_h))
+    launch(_sink_grad_reduce_kernel, (triton.cdiv(heads, block_h),), partials, d_sink, heads,
+           P=n_part, BLOCK_P=block_p, BLOCK_H=block_h, num_warps=4)
+    return d_sink

@@ -1,0 +1,211 @@
+"""DSA indexer of -2 layers vs independent float64 NumPy oracles: Hadamard, [pe | nope] RoPE, scores, the top-k +
+forced-window table, the KL loss and its gradient, detached inputs, and the loss auto-scaler."""
+
+from __future__ import annotations
+
+import mla_oracles as orc
+import numpy as np
+import paddle
+import pytest
+
+from fleet_ext.config import load_config
+from fleet_ext.layers.dsa_indexer import (
+    DSAIndexer,
+    DSAIndexerLossAutoScaler,
+    dsa_index_table,
+    hadamard_transform,
+    indexer_kl_loss,
+    indexer_rope,
+)
+from fleet_ext.layers.rope import plain_inv_freq
+
+BASE = {
+    "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "q_lora_rank": 16,
+    "v_head_dim": 16, "qk_pos_emb_head_dim": 8, "csa_compress_ratios": [0, -2], "o_groups": 2, "o_lora_rank": 8,
+    "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "moe_n_hash_layers": 0,
+    "hybrid_mla_q_lora_rank": 12, "hybrid_mla_kv_lora_rank": 16, "hybrid_mla_qk_nope_head_dim": 8,
+    "hybrid_mla_qk_rope_head_dim": 8, "hybrid_mla_v_head_dim": 8, "hybrid_mla_num_attention_heads": 4,
+    "hybrid_mla_attention": "mqa_dsa", "dsa_index_n_heads": 4, "dsa_index_head_dim": 16, "dsa_index_topk": 5,
+    "init_method_std": 0.2,
+}
+
+
+def _indexer(seed: int = 0, **overrides) -> DSAIndexer:
+    paddle.seed(seed)
+    indexer = DSAIndexer(load_config({**BASE, **overrides}).model)
+    rng = np.random.default_rng(seed)
+    indexer.k_norm.weight.set_value((1 + 0.3 * rng.standard_normal(16)).astype("float32"))
+    indexer.k_norm.bias.set_value((0.3 * rng.standard_normal(16)).astype("float32"))
+    return indexer
+
+
+def _params(indexer: DSAIndexer) -> dict:
+    return {
+        "wq_b": indexer.linear_wq_b.weight.numpy(), "wk": indexer.linear_wk.weight.numpy(),
+        "k_norm_w": indexer.k_norm.weight.numpy(), "k_norm_b": indexer.k_norm.bias.numpy(),
+        "weights_proj": indexer.linear_weights_proj.weight.numpy(),
+    }
+
+
+def _cos_sin(seq: int, rope_dim: int = 8) -> tuple[paddle.Tensor, paddle.Tensor, np.ndarray]:
+    inv = plain_inv_freq(rope_dim, 10000.0)
+    ang = np.arange(seq)[:, None] * inv[None, :]
+    return paddle.to_tensor(np.cos(ang).astype("float32")), paddle.to_tensor(np.sin(ang).astype("float32")), inv
+
+
+@pytest.mark.parametrize("width", [1, 2, 8, 32])
+def test_hadamard_is_the_normalised_sylvester_matrix(width):
+    x = np.random.default_rng(width).standard_normal((3, 5, width)).astype("float32")
+    got = hadamard_transform(paddle.to_tensor(x)).numpy()
+    np.testing.assert_allclose(got, orc.f64(x) @ orc.hadamard_matrix(width), rtol=0, atol=2e-6)
+    np.testing.assert_allclose(np.linalg.norm(got, axis=-1), np.linalg.norm(x, axis=-1), rtol=1e-5)
+
+
+def test_hadamard_rejects_a_width_that_is_not_a_power_of_two():
+    with pytest.raises(ValueError, match="must be a power of two, got shape"):
+        hadamard_transform(paddle.zeros([2, 12]))
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])
+def test_indexer_rope_rotates_the_leading_channels(interleaved):
+    seq = 7
+    cos, sin, inv = _cos_sin(seq)
+    x = np.random.default_rng(1).standard_normal((2, seq, 3, 16)).astype("float32")
+    got = indexer_rope(paddle.to_tensor(x), cos, sin, interleaved).numpy()
+    want = orc.rope_leading(x, np.arange(seq), inv, interleaved)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
+    np.testing.assert_array_equal(got[..., 8:], x[..., 8:])  # nope channels pass through
+    other = orc.rope_leading(x, np.arange(seq), inv, not interleaved)
+    assert np.abs(other - want).max() > 1e-2, "the two layouts must be distinguishable"
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])
+def test_indexer_scores_match_the_float64_oracle(interleaved):
+    indexer = _indexer(dsa_indexer_rotary_interleaved=interleaved)
+    seq = 9
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((2, seq, 32)).astype("float32")
+    cq = rng.standard_normal((2, seq, 12)).astype("float32")
+    cos, sin, inv = _cos_sin(seq)
+    q, k, w = indexer(paddle.to_tensor(x), paddle.to_tensor(cq), cos, sin)
+    got = DSAIndexer.scores(q, k, w).numpy()
+    want, (want_q, want_k, want_w) = orc.indexer_scores(
+        x, cq, _params(indexer), 4, 16, inv, interleaved=interleaved, parts=True
+    )
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
+    # q and k after RoPE *and* the Hadamard rotation (the scores alone cannot see the rotation).
+    for name, mine, ref in (("q", q, want_q), ("k", k, want_k), ("w", w, want_w)):
+        np.testing.assert_allclose(mine.numpy(), ref, rtol=0, atol=2e-5 * np.abs(ref).max(), err_msg=name)
+    # The Hadamard rotation is orthogonal: without quantisation it changes no score (why HF V3.2 skips it).
+    no_h = orc.indexer_scores(x, cq, _params(indexer), 4, 16, inv, interleaved=interleaved, hadamard=False)
+    np.testing.assert_allclose(no_h, want, rtol=0, atol=1e-12 * np.abs(want).max() + 1e-12)
+    idx = paddle.to_tensor(rng.integers(-1, seq, size=(2, seq, 4)).astype("int32"))
+    gathered = DSAIndexer.gathered_scores(q, k, w, idx).numpy()
+    picked = np.take_along_axis(got, np.clip(idx.numpy(), 0, None).astype(np.int64), axis=-1)
+    valid = idx.numpy() >= 0
+    np.testing.assert_allclose(gathered[valid], picked[valid], rtol=0, atol=1e-6)
+
+
+def test_indexer_inputs_are_detached():
+    indexer = _indexer()
+    x = paddle.randn([2, 6, 32])
+    cq = paddle.randn([2, 6, 12])
+    x.stop_gradient = cq.stop_gradient = False
+    cos, sin, _ = _cos_sin(6)
+    DSAIndexer.scores(*indexer(x, cq, cos, sin)).sum().backward()
+    assert x.grad is None and cq.grad is None
+    assert all(p.grad is not None and np.abs(p.grad.numpy()).max() > 0 for p in indexer.parameters())
+
+
+@pytest.mark.parametrize(
+    "seq, topk, window",
+    [(11, 3, 4), (11, 3, 0), (9, 20, 0), (9, 20, 3), (6, 2, 8), (1, 4, 0), (12, 12, 1)],
+    ids=["window", "no_window", "topk_gt_seq", "topk_gt_candidates", "window_covers_all", "one_token", "k_eq_s"],
+)
+def test_topk_and_forced_window_table_is_exact(seq, topk, window):
+    scores = np.random.default_rng(seq * 31 + topk).permutation(2 * seq * seq).reshape(2, seq, seq)
+    scores = scores.astype("float32") / 7.0  # distinct values: no ties, exact order
+    got, k_top = dsa_index_table(paddle.to_tensor(scores), topk, window)
+    want, want_k = orc.topk_window_table(scores, topk, window)
+    assert k_top == want_k and got.dtype == paddle.int32
+    np.testing.assert_array_equal(got.numpy(), want)
+
+
+def test_topk_table_never_picks_future_or_windowed_keys():
+    scores = np.random.default_rng(0).standard_normal((3, 30, 30)).astype("float32") * 5
+    table, k_top = dsa_index_table(paddle.to_tensor(scores), 7, 5)
+    table = table.numpy()
+    t = np.arange(30)[None, :, None]
+    top = table[..., :k_top]
+    assert np.all((top == -1) | ((top >= 0) & (top <= t - 5)))
+    for row in table.reshape(-1, table.shape[-1]):
+        valid = row[row >= 0]
+        assert len(set(valid.tolist())) == len(valid), "a key appears twice in one row"
+
+
+def _kl_case(seed: int = 0, with_mask: bool = True):
+    rng = np.random.default_rng(seed)
+    b, s, h, k = 2, 6, 3, 5
+    student = rng.standard_normal((b, s, k)).astype("float32")
+    logits = rng.standard_normal((b, s, h, k)).astype("float32") * 2
+    valid = rng.random((b, s, k)) > 0.3
+    valid[0, 0] = False  # a row with no candidate
+    sink = rng.standard_normal(h)
+    lse = np.log(np.where(valid[:, :, None, :], np.exp(orc.f64(logits)), 0).sum(-1) + np.exp(sink)).astype("float32")
+    mask = rng.random((b, s)) > 0.25 if with_mask else None
+    return student, logits, lse, valid, mask
+
+
+@pytest.mark.parametrize("with_mask", [True, False])
+def test_kl_loss_and_gradient_match_the_oracle(with_mask):
+    student, logits, lse, valid, mask = _kl_case(with_mask=with_mask)
+    b, s, h, k = logits.shape
+    s_t = paddle.to_tensor(student)
+    s_t.stop_gradient = False
+    loss = indexer_kl_loss(
+        s_t, paddle.to_tensor(logits), paddle.to_tensor(lse), paddle.to_tensor(valid),
+        None if mask is None else paddle.to_tensor(mask),
+    )
+    loss.backward()
+    # Oracle: per-head probs exp(l - lse) on the valid slots, as [b, h, s, s'] with the K slots as keys.
+    probs = np.where(valid[:, :, None, :], np.exp(orc.f64(logits) - orc.f64(lse)[..., None]), 0.0).transpose(0, 2, 1, 3)
+    want = orc.kl_rows(probs, orc.f64(student), valid, mask)
+    assert abs(float(loss) - want) < 1e-6
+    # dKL/dI = (softmax(I) - p) / rows on kept rows' valid slots, 0 elsewhere.
+    grad = np.zeros_like(orc.f64(student))
+    rows = 0
+    for bi in range(b):
+        for t in range(s):
+            if not valid[bi, t].any() or (mask is not None and not mask[bi, t]):
+                continue
+            rows += 1
+            p = probs[bi, :, t, :].sum(0) * valid[bi, t]
+            p = p / p.sum()
+            z = np.where(valid[bi, t], orc.f64(student[bi, t]), -np.inf)
+            q = np.exp(z - z.max())
+            grad[bi, t] = q / q.sum() - p
+    np.testing.assert_allclose(s_t.grad.numpy(), grad / rows, rtol=0, atol=1e-6)
+
+
+def test_loss_auto_scaler_keeps_the_value_and_adds_the_loss_gradient():
+    out = paddle.randn([2, 3])
+    theta = paddle.to_tensor([0.5, -1.0])
+    out.stop_gradient = theta.stop_gradient = False
+    loss = (theta * theta).sum()
+    attached = DSAIndexerLossAutoScaler.apply(out, loss)
+    assert np.array_equal(attached.numpy(), out.numpy())
+    (attached * 3).sum().backward()
+    np.testing.assert_array_equal(out.grad.numpy(), np.full([2, 3], 3.0, dtype="float32"))
+    np.testing.assert_allclose(theta.grad.numpy(), [1.0, -2.0])  # d(theta^2)/d theta at scale 1
+    # A frozen output (indexer warm-up) still carries the loss gradient, and gets none itself.
+    frozen = paddle.randn([2, 3])
+    theta.clear_gradient()
+    DSAIndexerLossAutoScaler.set_loss_scale(0.5)
+    try:
+        attached = DSAIndexerLossAutoScaler.apply(frozen, (theta * theta).sum())
+        assert not attached.stop_gradient and np.array_equal(attached.numpy(), frozen.numpy())
+        attached.sum().backward()
+    finally:
+        DSAIndexerLossAutoScaler.set_loss_scale(1.0)
+    assert frozen.grad is None
+    np.testing.assert_allclose(theta.grad.numpy(), [0.5, -1.0])

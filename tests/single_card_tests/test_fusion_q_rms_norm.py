@@ -1,0 +1,287 @@
+"""Fused weightless q RMS norm (Triton, interpreter on CPU) vs the Paddle reference: bitwise, fp32.
+
+The claim (registry ``bitwise_equal``) on CPU is forward AND backward byte-equal to the reference (the
+backward being Paddle autograd of ``xf * rsqrt(mean(xf^2) + eps)``). The kernels reproduce Paddle CPU's
+row sum (sequential fp32) and gradient formula op for op; the rsqrt is Paddle's own (``function.py``).
+Tested over many head widths (1 .. 512, odd ones included), several programs, non-contiguous q, zero
+rows, large and tiny magnitudes, and through an upstream matmul so the parameter gradient is compared.
+
+The GPU configuration (torch CUDA's reduction order, one fused kernel) is exercised here too, in the
+interpreter on torch CPU tensors, against a literal NumPy simulation of ``Reduce.cuh``'s threads (written
+from the CUDA source, not from the kernel's reshape/split formulation): bitwise, with the interpreter's
+``rsqrt`` (``1/sqrt`` in fp32) standing in for the GPU's. The real GPU comparison is tests/gpu.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+import pytest
+import torch
+
+from fleet_ext import capability
+
+capability.prepare_triton()
+
+from fleet_ext.ops.launch import LAUNCH_COUNTS  # noqa: E402
+from fleet_ext.ops.q_rms_norm import function as fused  # noqa: E402
+from fleet_ext.ops.q_rms_norm import kernel  # noqa: E402
+from fleet_ext.ops.q_rms_norm import reference as ref  # noqa: E402
+from fleet_ext.registry import FUSIONS  # noqa: E402
+
+F32 = np.float32
+EPS = 1e-6
+FWD, BWD = "_q_rms_norm_fwd_kernel", "_q_rms_norm_bwd_kernel"
+
+
+def assert_bytes_equal(a: np.ndarray, b: np.ndarray, what: str) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape, (what, a.dtype, a.shape, b.dtype, b.shape)
+    if a.tobytes() != b.tobytes():
+        bad = np.argwhere(a.view(np.uint32) != b.view(np.uint32))
+        first = tuple(bad[0])
+        raise AssertionError(f"{what}: {len(bad)} of {a.size} differ, first at {first}: {a[first]!r} vs {b[first]!r}, "
+                             f"max |diff| {np.abs(a.astype(np.float64) - b.astype(np.float64)).max():.3g}")
+
+
+def run(fn, x: np.ndarray, g: np.ndarray, view=None):
+    """(y, dx) of fn on a leaf made from ``x`` (optionally through a view), loss sum(y * g)."""
+    leaf = paddle.to_tensor(x, stop_gradient=False)
+    q = view(leaf) if view is not None else leaf
+    y = fn(q, EPS)
+    (y * paddle.to_tensor(g)).sum().backward()
+    return y.numpy(), leaf.grad.numpy()
+
+
+def counts():
+    return LAUNCH_COUNTS[FWD], LAUNCH_COUNTS[BWD]
+
+
+WIDTHS = [1, 2, 3, 7, 16, 17, 31, 32, 33, 48, 64, 100, 127, 128, 129, 192, 512]
+
+
+@pytest.mark.parametrize("d", WIDTHS)
+def test_bitwise_forward_and_backward_over_widths(d):
+    rng = np.random.default_rng(d)
+    x = (rng.standard_normal((2, 3, 2, d)) * rng.uniform(0.1, 10, (2, 3, 2, 1))).astype(F32)
+    g = rng.standard_normal((2, 3, 2, d)).astype(F32)
+    before = counts()
+    y, dx = run(fused.q_rms_norm, x, g)
+    after = counts()
+    assert after[0] - before[0] == 2 and after[1] - before[1] == 1  # stats + apply, one backward launch
+    y_ref, dx_ref = run(ref.q_rms_norm, x, g)
+    assert_bytes_equal(y, y_ref, f"y d={d}")
+    assert_bytes_equal(dx, dx_ref, f"dx d={d}")
+    assert np.abs(dx).max() > 0 and np.abs(y).max() > 0
+
+
+def test_many_rows_several_programs_and_edge_magnitudes():
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3, 7, 5, 40)).astype(F32)  # 105 rows: two programs of 64
+    x[0, 0, 0] = 0.0  # mean 0: r = rsqrt(eps), y = 0, gradient through eps only
+    x[1, 2, 3] *= 1e18  # large
+    x[2, 6, 4] *= 1e-18  # sum of squares below eps
+    x[0, 1, 1, ::2] = 0.0
+    g = rng.standard_normal(x.shape).astype(F32)
+    g[1, 1, 1] = 0.0
+    y, dx = run(fused.q_rms_norm, x, g)
+    y_ref, dx_ref = run(ref.q_rms_norm, x, g)
+    assert_bytes_equal(y, y_ref, "y")
+    assert_bytes_equal(dx, dx_ref, "dx")
+
+
+@pytest.mark.parametrize(
+    "name, view",
+    [
+        ("heads_seq_transposed", lambda t: t.transpose([0, 2, 1, 3])),
+        ("strided_head_dim", lambda t: t[:, :, :, ::2]),
+        ("offset_slice", lambda t: t[1:, 1:4, :, 3:27]),
+    ],
+)
+def test_non_contiguous_q(name, view):
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((3, 5, 4, 30)).astype(F32)
+    probe = view(paddle.to_tensor(x))
+    assert not probe.is_contiguous(), name
+    g = rng.standard_normal(probe.shape).astype(F32)
+    y, dx = run(fused.q_rms_norm, x, g, view)
+    y_ref, dx_ref = run(ref.q_rms_norm, x, g, view)
+    assert_bytes_equal(y, y_ref, f"y {name}")
+    assert_bytes_equal(dx, dx_ref, f"dx {name}")
+
+
+def test_parameter_gradient_through_an_upstream_matmul_is_bitwise():
+    rng = np.random.default_rng(21)
+    x = rng.standard_normal((2, 6, 24)).astype(F32)
+    w = (rng.standard_normal((24, 4 * 32)) * 0.2).astype(F32)
+    grads = []
+    for fn in (ref.q_rms_norm, fused.q_rms_norm):
+        wt = paddle.to_tensor(w, stop_gradient=False)
+        xt = paddle.to_tensor(x, stop_gradient=False)
+        q = paddle.matmul(xt, wt).reshape([2, 6, 4, 32])
+        y = fn(q, EPS)
+        (y * y * 0.5 + y).sum().backward()
+        grads.append((y.numpy(), wt.grad.numpy(), xt.grad.numpy()))
+    for a, b, what in zip(*grads, ("y", "dW", "dx")):
+        assert_bytes_equal(a, b, what)
+
+
+def test_deterministic_two_runs():
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((1, 9, 3, 70)).astype(F32)
+    g = rng.standard_normal(x.shape).astype(F32)
+    a = run(fused.q_rms_norm, x, g)
+    b = run(fused.q_rms_norm, x, g)
+    assert_bytes_equal(a[0], b[0], "y run 2")
+    assert_bytes_equal(a[1], b[1], "dx run 2")
+
+
+@pytest.mark.parametrize(
+    "make, eps, match",
+    [
+        (lambda: paddle.zeros([2, 3, 4]), EPS, r"`q` must be \[b, s, h, d\] float, got shape \[2, 3, 4\]"),
+        (lambda: paddle.zeros([1, 2, 3, 4], dtype="int32"), EPS, r"`q` must be \[b, s, h, d\] float .*got int32"),
+        (lambda: paddle.zeros([1, 2, 3, 4], dtype="bfloat16"), EPS, r"`q` must be \[b, s, h, d\] float32 on CPU"),
+        (lambda: paddle.zeros([1, 2, 3, 4]), -1.0, r"`eps` must be a float >= 0"),
+        (lambda: paddle.zeros([1, 2, 3, 4]), "1e-6", r"`eps` must be a float >= 0"),
+        (lambda: np.zeros([1, 2, 3, 4], dtype=F32), EPS, r"`q` must be \[b, s, h, d\] float paddle.Tensor"),
+    ],
+)
+def test_bad_inputs_raise_naming_the_tensor(make, eps, match):
+    with pytest.raises(ValueError, match="q_rms_norm: " + match):
+        fused.q_rms_norm(make(), eps)
+
+
+def test_kernel_level_errors_name_the_tensor():
+    q = torch.zeros(1, 2, 3, 4)
+    with pytest.raises(ValueError, match=r"`dy` must have q's shape"):
+        kernel.q_rms_norm_bwd(torch.zeros(1, 2, 3, 5), q, torch.zeros(1, 2, 3, 1))
+    with pytest.raises(ValueError, match=r"`r` must be float32 \[1, 2, 3, 1\]"):
+        kernel.q_rms_norm_bwd(q, q, torch.zeros(1, 2, 3))
+    with pytest.raises(ValueError, match=r"`r` must be float32"):
+        kernel.q_rms_norm_apply(q, torch.zeros(1, 2, 3, 1, dtype=torch.float64))
+
+
+def test_registry_entry_points_here():
+    entry = FUSIONS["dsv4_q_rms_norm_fusion"]
+    assert entry.load("fused") is fused.q_rms_norm and entry.load("reference") is ref.q_rms_norm
+
+
+# --------------------------------------------------------------------------------------------------------
+# The GPU configuration in the interpreter: torch CUDA's reduction order (Reduce.cuh), one fused kernel.
+# --------------------------------------------------------------------------------------------------------
+def cuda_row_sum(t: np.ndarray, lanes: int) -> np.ndarray:
+    """Thread-by-thread simulation of Reduce.cuh for a contiguous fp32 [rows, d] summed over d.
+
+    Lane ``lane`` of ``lanes``: for d > 128 ``input_vectorized_thread_reduce_impl`` (4-wide vectors at
+    a ``lanes``-vector stride, accumulator i takes vector element i), else ``thread_reduce_impl`` (element
+    ``idx + i*lanes`` into accumulator i, ``idx += 4*lanes``, then the tail). Accumulators combined left to
+    right; ``block_x_reduce``: shared-memory halving while above 32 lanes, then ``shfl_down`` offsets
+    1, 2, 4, ... (lane t adds lane t + offset).
+    """
+    rows, d = t.shape
+    acc = np.zeros((rows, lanes, 4), F32)
+    for lane in range(lanes):
+        idx = lane
+        if d > 128:
+            while idx * 4 + 3 < d:
+                for i in range(4):
+                    acc[:, lane, i] = acc[:, lane, i] + t[:, idx * 4 + i]
+                idx += lanes
+        else:
+            while idx + 3 * lanes < d:
+                for i in range(4):
+                    acc[:, lane, i] = acc[:, lane, i] + t[:, idx + i * lanes]
+                idx += 4 * lanes
+            for i in range(4):
+                if idx >= d:
+                    break
+                acc[:, lane, i] = acc[:, lane, i] + t[:, idx]
+                idx += lanes
+    value = acc[:, :, 0]
+    for i in range(1, 4):
+        value = value + acc[:, :, i]
+    dim_x = lanes
+    if dim_x > 32:
+        offset = dim_x // 2
+        while offset >= 32:
+            value = value.copy()
+            value[:, :offset] = value[:, :offset] + value[:, offset:2 * offset]
+            offset //= 2
+        dim_x = 32
+    value = value[:, :dim_x]
+    offset = 1
+    while offset < dim_x:
+        shifted = value.copy()
+        shifted[:, : dim_x - offset] = value[:, : dim_x - offset] + value[:, offset:dim_x]
+        value = shifted
+        offset *= 2
+    return value[:, 0]
+
+
+def test_torch_cuda_order_configurations():
+    prod = kernel.torch_cuda_order(16384 * 64, 512)  # the DSv4 query at sq 16384
+    assert (prod.lanes, prod.nacc, prod.acc_inner, prod.exact) == (32, 4, True, True)
+    assert prod.mean_factor == 2.0**-9 and prod.inv_d == 2.0**-9
+    assert (kernel.torch_cuda_order(4096, 64).lanes, kernel.torch_cuda_order(4096, 64).acc_inner) == (32, False)
+    assert kernel.torch_cuda_order(1, 512).lanes == 128  # one row: the block is all x
+    assert kernel.torch_cuda_order(4, 7).lanes == 4
+    assert not kernel.torch_cuda_order(64, 130).exact  # vector tail / misaligned rows: not modelled
+    assert not kernel.torch_cuda_order(1, 8192).exact  # split across warps: not modelled
+    assert kernel.torch_cuda_order(3, 100).mean_factor == np.float32(np.float32(3) / np.float32(300))
+
+
+GPU_CASES = [((2, 3, 4), 64), ((1, 4, 4), 512), ((1, 1, 1), 512), ((2, 2, 1), 200), ((1, 2, 16), 100),
+             ((1, 1, 3), 7), ((1, 2, 8), 576), ((1, 1, 1), 4096), ((1, 3, 7), 33)]
+
+
+@pytest.mark.parametrize("lead, d", GPU_CASES)
+def test_gpu_configuration_matches_a_simulation_of_torch_cuda(lead, d):
+    rng = np.random.default_rng(d)
+    x = (rng.standard_normal(lead + (d,)) * 3).astype(F32)
+    g = rng.standard_normal(lead + (d,)).astype(F32)
+    rows = int(np.prod(lead))
+    order = kernel.torch_cuda_order(rows, d)
+    assert order.exact
+    xt = torch.from_numpy(x)
+    before = LAUNCH_COUNTS[FWD]
+    y, r = kernel.q_rms_norm_fused(xt, EPS, order)
+    assert LAUNCH_COUNTS[FWD] == before + 1
+    dx = kernel.q_rms_norm_bwd(torch.from_numpy(g), xt, r, order)
+    x2, g2 = x.reshape(rows, d), g.reshape(rows, d)
+    eps = F32(EPS)
+    ms = cuda_row_sum(x2 * x2, order.lanes) * F32(order.mean_factor)  # MeanOps::project: a * factor
+    r_ref = F32(1) / np.sqrt(ms + eps)  # the interpreter's rsqrt (the GPU: rsqrt.approx.f32)
+    y_ref = x2 * r_ref[:, None]
+    g_r = cuda_row_sum(g2 * x2, order.lanes)  # MulBackward's sum_to_size, same reduction
+    d_ms = (g_r * F32(-0.5)) * ((r_ref * r_ref) * r_ref)  # -0.5 * grad * result.pow(3)
+    d_sq = d_ms * F32(order.inv_d)  # mean_backward: / d as a multiply by fp32(1/d)
+    dx_ref = g2 * r_ref[:, None] + d_sq[:, None] * (x2 * F32(2))  # + pow_backward
+    assert_bytes_equal(r.numpy().reshape(rows), r_ref, f"r {order.name}")
+    assert_bytes_equal(y.numpy().reshape(rows, d), y_ref, f"y {order.name}")
+    assert_bytes_equal(dx.numpy().reshape(rows, d), dx_ref, f"dx {order.name}")
+    # and the simulation is not the sequential order (the two configurations really differ)
+    if order.lanes >= 4 and d >= 64:
+        seq = np.zeros(rows, F32)
+        for j in range(d):
+            seq = seq + (x2 * x2)[:, j]
+        assert not np.array_equal(seq, cuda_row_sum(x2 * x2, order.lanes))
+
+
+@pytest.mark.parametrize("lead, d", [((1, 5, 8), 512), ((2, 3, 3), 576), ((1, 17, 1), 64)])
+def test_gpu_block_sizes_in_the_interpreter(monkeypatch, lead, d):
+    """The GPU launch geometry (16 rows per program, 256-column apply steps) gives the same bits."""
+    monkeypatch.setattr(kernel, "is_interpreted", lambda: False)
+    rng = np.random.default_rng(d + 1)
+    x = rng.standard_normal(lead + (d,)).astype(F32)
+    g = rng.standard_normal(lead + (d,)).astype(F32)
+    rows = int(np.prod(lead))
+    order = kernel.torch_cuda_order(rows, d)
+    assert kernel._config(d, order)["BLOCK_R"] == 16 and kernel._config(d, order)["BLOCK_D"] == min(256, d)
+    xt = torch.from_numpy(x)
+    y, r = kernel.q_rms_norm_fused(xt, EPS, order)
+    dx = kernel.q_rms_norm_bwd(torch.from_numpy(g), xt, r, order)
+    monkeypatch.undo()
+    y2, r2 = kernel.q_rms_norm_fused(xt, EPS, order)
+    dx2 = kernel.q_rms_norm_bwd(torch.from_numpy(g), xt, r2, order)
+    for a, b, what in ((y, y2, "y"), (r, r2, "r"), (dx, dx2, "dx")):
+        assert_bytes_equal(a.numpy(), b.numpy(), what)
