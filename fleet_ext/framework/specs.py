@@ -23,15 +23,15 @@ def decoder_layer_spec(config: FleetExtConfig, layer_number: int, backend: Backe
     from fleet_ext.framework.transformer_layer import TransformerLayer
     from fleet_ext.layers.dsv4_attention import DSv4HybridSelfAttention
 
-    layer_cls, attention_cls = TransformerLayer, DSv4HybridSelfAttention
+    attention_cls = DSv4HybridSelfAttention
     if config.model.csa_compress_ratios[layer_number] == HYBRID_MLA:
-        # -2: MLA (dense, or absorbed latent MQA with the DSA indexer); its layer passes the indexer loss mask.
-        from fleet_ext.layers.mla import HybridMLATransformerLayer, MLASelfAttention
+        # -2: MLA (dense, or absorbed latent MQA with the DSA indexer).
+        from fleet_ext.layers.mla import MLASelfAttention
 
-        layer_cls, attention_cls = HybridMLATransformerLayer, MLASelfAttention
+        attention_cls = MLASelfAttention
     attention = LayerSpec(attention_cls, params={"layer_number": layer_number, "ops": backend.attention_ops})
     return LayerSpec(
-        layer_cls,
+        TransformerLayer,
         params={"layer_number": layer_number},
         sublayers={"self_attention": attention, "mlp": mlp_spec(config, layer_number)},
     )

@@ -28,8 +28,10 @@ class TransformerLayer(FleetLayer):
         self.self_attention = build_layer(sublayers["self_attention"], config)
         self.pre_mlp_layernorm = RMSNorm(m.hidden_size, m.rms_norm_eps)
         self.mlp = build_layer(sublayers["mlp"], config)
-        # MoE layers with hash routing take the token ids; dense MLPs do not. Decided once, here.
+        # Hash-routed MoE layers and -2 attention (its indexer loss mask) take the token ids; the other
+        # sublayers do not. Decided once, here.
         self.mlp_routes_tokens = "input_ids" in inspect.signature(self.mlp.forward).parameters
+        self.attention_takes_ids = "input_ids" in inspect.signature(self.self_attention.forward).parameters
         if self.use_mhc:
             self.mhc_attn = HyperConnection(m)
             self.mhc_mlp = HyperConnection(m)
@@ -37,12 +39,15 @@ class TransformerLayer(FleetLayer):
     def _mlp(self, x: paddle.Tensor, input_ids: paddle.Tensor | None) -> paddle.Tensor:
         return self.mlp(x, input_ids=input_ids) if self.mlp_routes_tokens else self.mlp(x)
 
+    def _attention(self, x: paddle.Tensor, input_ids: paddle.Tensor | None) -> paddle.Tensor:
+        return self.self_attention(x, input_ids=input_ids) if self.attention_takes_ids else self.self_attention(x)
+
     def forward(self, hidden_states: paddle.Tensor, input_ids: paddle.Tensor | None = None) -> paddle.Tensor:
         if not self.use_mhc:
-            hidden_states = hidden_states + self.self_attention(self.input_layernorm(hidden_states))
+            hidden_states = hidden_states + self._attention(self.input_layernorm(hidden_states), input_ids)
             return hidden_states + self._mlp(self.pre_mlp_layernorm(hidden_states), input_ids)
         post, comb, collapsed = self.mhc_attn(hidden_states)
-        attn_out = self.self_attention(self.input_layernorm(collapsed))
+        attn_out = self._attention(self.input_layernorm(collapsed), input_ids)
         hidden_states = hyper_combine(hidden_states, attn_out, post, comb)
         post, comb, collapsed = self.mhc_mlp(hidden_states)
         mlp_out = self._mlp(self.pre_mlp_layernorm(collapsed), input_ids)

@@ -25,13 +25,12 @@ import paddle
 from fleet_ext.config import FleetExtConfig, ModelConfig
 from fleet_ext.framework.backend import AttentionOps
 from fleet_ext.framework.layer import FleetLayer
-from fleet_ext.framework.transformer_layer import TransformerLayer
 from fleet_ext.layers.compressor import _normal
 from fleet_ext.layers.mqa_latent_attention import MQALatentAttention
 from fleet_ext.layers.norm import RMSNorm
 from fleet_ext.layers.rope import RotaryTable, plain_inv_freq, yarn_inv_freq
 
-__all__ = ["HybridMLATransformerLayer", "MLASelfAttention", "hybrid_mla_rope"]
+__all__ = ["MLASelfAttention", "hybrid_mla_rope"]
 
 # Sink logit of -2 layers without ``add_full_attention_sink_bias``: exp(-1e30 - max) underflows, so the sink
 # carries no mass (finite, so kernels never compute inf - inf); it is a constant, not a parameter.
@@ -118,7 +117,6 @@ class MLASelfAttention(FleetLayer):
         self.core_attention = (
             None if self.mode == "mha" else MQALatentAttention(m, ops.sparse_attn, self.softmax_scale)
         )
-        self._loss_mask: paddle.Tensor | None = None  # set around each call by HybridMLATransformerLayer
 
     # -- pieces shared by every mode --------------------------------------------------------------------
     def cos_sin(self, seq: int) -> tuple[paddle.Tensor, paddle.Tensor]:
@@ -157,11 +155,16 @@ class MLASelfAttention(FleetLayer):
         return paddle.full([self.heads], NO_SINK, dtype="float32")
 
     # -- forward ----------------------------------------------------------------------------------------
-    def forward(self, hidden_states: paddle.Tensor, loss_mask: paddle.Tensor | None = None) -> paddle.Tensor:
-        """``loss_mask`` [b, s] bool (False: padding rows, skipped by the indexer KL); default: the mask set by
-        ``HybridMLATransformerLayer`` from ``input_ids != pad_token_id``, else every row."""
-        if loss_mask is None:
-            loss_mask = self._loss_mask
+    def forward(
+        self,
+        hidden_states: paddle.Tensor,
+        input_ids: paddle.Tensor | None = None,
+        loss_mask: paddle.Tensor | None = None,
+    ) -> paddle.Tensor:
+        """``loss_mask`` [b, s] bool (False: padding rows, skipped by the indexer KL); by default
+        ``input_ids != pad_token_id`` when the token ids are given, else every row."""
+        if loss_mask is None and input_ids is not None:
+            loss_mask = input_ids != self.pad_token_id
         batch, seq = hidden_states.shape[0], hidden_states.shape[1]
         q_latent, q_nope, q_pe, c_kv, k_pe, cos, sin = self._project(hidden_states)
         if self.core_attention is None:
@@ -214,15 +217,3 @@ class MLASelfAttention(FleetLayer):
     def indexer_loss(self) -> paddle.Tensor | None:
         """Detached indexer KL (before ``dsa_indexer_loss_coeff``) of the last training forward, else None."""
         return None if self.core_attention is None else self.core_attention.indexer_loss
-
-
-class HybridMLATransformerLayer(TransformerLayer):
-    """TransformerLayer of a -2 layer: hands its attention the indexer loss mask ``input_ids != pad_token_id``."""
-
-    def forward(self, hidden_states: paddle.Tensor, input_ids: paddle.Tensor | None = None) -> paddle.Tensor:
-        attention = self.self_attention
-        attention._loss_mask = None if input_ids is None else input_ids != attention.pad_token_id
-        try:
-            return super().forward(hidden_states, input_ids=input_ids)
-        finally:
-            attention._loss_mask = None

@@ -16,7 +16,7 @@ import yaml
 from fleet_ext.config import load_config
 from fleet_ext.framework.backend import AttentionOps, BackendProvider
 from fleet_ext.layers.dsa_indexer import DSAIndexer, DSAIndexerLossAutoScaler
-from fleet_ext.layers.mla import HybridMLATransformerLayer, MLASelfAttention
+from fleet_ext.layers.mla import MLASelfAttention
 from fleet_ext.models import DSv4ForCausalLM
 from fleet_ext.ops.sparse_attn.reference import sparse_attention_with_sink
 
@@ -306,7 +306,7 @@ def test_the_model_masks_padding_rows_of_the_indexer_loss():
     attention.core_attention.register_forward_pre_hook(lambda layer, args: seen.append(args[7].numpy()))
     ids = _ids(pad_tail=5)
     model(ids, labels=ids)
-    assert isinstance(model.layers[2], HybridMLATransformerLayer) and attention._loss_mask is None
+    assert isinstance(attention, MLASelfAttention) and model.layers[2].attention_takes_ids
     np.testing.assert_array_equal(seen[0], ids.numpy() != 0)
     assert not seen[0][1, -5:].any() and seen[0][0].all()
 
