@@ -81,6 +81,15 @@ def test_non_contiguous(kernel, dtype):
         check(kernel, view, SEQLEN_KV)
 
 
+@pytest.mark.parametrize("block_bytes", [64, 4096, 16384])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_flat_path_block_sizes(kernel, monkeypatch, block_bytes, dtype):
+    """The contiguous (flat 1-D) path with batch boundaries inside and across programs."""
+    monkeypatch.setitem(kernel.TUNE, "flat_block_bytes", block_bytes)
+    for shape in ((3, 37, 130), (4, 4096, 640), (2, 5, 200), (1, 7, 3)):
+        check(kernel, make(shape, SEQLEN_KV, dtype, seed=block_bytes + sum(shape)), SEQLEN_KV)
+
+
 def test_int32_limits(kernel):
     seqlen_kv = 2**30
     fits = torch.tensor([[[0, seqlen_kv - 1, -1]], [[seqlen_kv - 1, 0, -(2**31)]]], dtype=torch.int32, device=DEVICE)

@@ -3,7 +3,8 @@
 Run on the H200 through the device tool (torch + Triton, no Paddle): ``python -m pytest -q tests/gpu``.
 Skipped without CUDA.
 
-- **Bitwise claim** (what ``kernel.torch_cuda_order`` models, ``order.exact``): the fused forward kernel
+- **Bitwise claim** (what ``kernel.torch_cuda_order`` models, ``order.exact``; torch 2.11's Reduce.cuh:
+  vectorised loads from d = 128, intra-warp shuffle offsets 16 .. 1): the fused forward kernel
   equals the eager op sequence that mirrors the Paddle path, ``xf = x.float(); (xf * torch.rsqrt(
   xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)``, byte for byte (``y`` and the fp32 ``r``), and the
   backward kernel equals torch autograd of that sequence. This pins the emulated reduction order
@@ -84,11 +85,12 @@ def assert_bytes(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 
 
 # (shape, what it covers): rows >= 16 give 32 lanes; one or two rows give 128 / 256 lanes (shared-memory
-# halving); d <= 128 is the unvectorised path (4 accumulators by step); 576 = the latent MQA key width.
+# halving); d < 128 is the unvectorised path (4 accumulators by step); 576 = the latent MQA key width.
 SHAPES = [
     ((2, 64, 16, 512), "DSv4 head, vec4"),
     ((1, 128, 8, 64), "unvectorised, 2 steps"),
-    ((1, 16, 4, 128), "unvectorised, 4 steps"),
+    ((1, 16, 4, 128), "vec4 from d = 128, one step"),
+    ((4, 64, 8, 128), "vec4 from d = 128, many rows"),
     ((3, 5, 7, 33), "unvectorised with a tail"),
     ((2, 32, 4, 192), "vec4, partial second step"),
     ((1, 64, 16, 576), "vec4, 576"),
@@ -190,6 +192,19 @@ def test_non_contiguous_input(kernel):
     y_c, r_c = kernel.q_rms_norm_fused(xt.contiguous(), EPS)
     assert_bytes(y, y_c, "y non-contiguous")
     assert_bytes(kernel.q_rms_norm_bwd(gt, xt, r), kernel.q_rms_norm_bwd(gt.contiguous(), xt.contiguous(), r_c), "dx")
+
+
+def test_one_pass_equals_streamed(kernel, monkeypatch):
+    """The one-pass kernels (row in registers) and the streamed ones (row read twice) give the same bits."""
+    x, g = make((2, 64, 16, 512), torch.bfloat16, seed=13)
+    y, r = kernel.q_rms_norm_fused(x, EPS)
+    dx = kernel.q_rms_norm_bwd(g, x, r)
+    monkeypatch.setattr(kernel, "MAX_TILES", 0)
+    assert not kernel._one_pass(512, kernel.default_order(x))
+    y2, r2 = kernel.q_rms_norm_fused(x, EPS)
+    assert_bytes(r2, r, "r streamed")
+    assert_bytes(y2, y, "y streamed")
+    assert_bytes(kernel.q_rms_norm_bwd(g, x, r2), dx, "dx streamed")
 
 
 def test_deterministic(kernel):

@@ -214,6 +214,23 @@ def test_registry_names_this_function_and_it_drives_the_sparse_attention_bitwise
         assert a.tobytes() == b.tobytes()
 
 
+@pytest.mark.parametrize("dtype", ["int32", "int64"])
+@pytest.mark.parametrize("block_bytes", [64, 256])
+def test_flat_path_batch_boundaries_inside_a_program(monkeypatch, dtype, block_bytes):
+    """Contiguous tables take the flat 1-D path; with tiny programs the batch boundaries (multiples of
+    S*K) fall inside programs, where the offset switches from b0 to b0 + 1 element by element."""
+    monkeypatch.setitem(kernel.TUNE, "flat_block_bytes", block_bytes)
+    rng = np.random.default_rng(block_bytes)
+    for batch, seq, width, seqlen_kv in ((3, 5, 17, 11), (4, 9, 13, 66048), (1, 6, 5, 9), (5, 2, 33, 1000)):
+        assert batch == 1 or seq * width >= kernel.flat_block(np.dtype(dtype).itemsize)  # the flat path's condition
+        idx = make_idx(rng, (batch, seq, width), seqlen_kv, dtype)
+        t = paddle.to_tensor(idx)
+        out, launches = run_counted(fused.local_to_global_flat, t, seqlen_kv)
+        assert launches == 1
+        assert_same(out, ref.local_to_global_flat(t, seqlen_kv))
+        assert_same(out, as_dtype(oracle(idx, seqlen_kv), dtype))
+
+
 def test_tile_keeps_32k_per_program():
     assert kernel.tile(640, 4) == (64, 128)
     assert kernel.tile(2176, 4) == (64, 128)

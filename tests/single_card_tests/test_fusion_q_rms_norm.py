@@ -169,20 +169,21 @@ def test_registry_entry_points_here():
 # --------------------------------------------------------------------------------------------------------
 # The GPU configuration in the interpreter: torch CUDA's reduction order (Reduce.cuh), one fused kernel.
 # --------------------------------------------------------------------------------------------------------
-def cuda_row_sum(t: np.ndarray, lanes: int) -> np.ndarray:
+def cuda_row_sum(t: np.ndarray, lanes: int, vectorized: bool, halving: bool) -> np.ndarray:
     """Thread-by-thread simulation of Reduce.cuh for a contiguous fp32 [rows, d] summed over d.
 
-    Lane ``lane`` of ``lanes``: for d > 128 ``input_vectorized_thread_reduce_impl`` (4-wide vectors at
-    a ``lanes``-vector stride, accumulator i takes vector element i), else ``thread_reduce_impl`` (element
-    ``idx + i*lanes`` into accumulator i, ``idx += 4*lanes``, then the tail). Accumulators combined left to
-    right; ``block_x_reduce``: shared-memory halving while above 32 lanes, then ``shfl_down`` offsets
-    1, 2, 4, ... (lane t adds lane t + offset).
+    Lane ``lane`` of ``lanes``: when ``vectorized`` ``input_vectorized_thread_reduce_impl`` (4-wide vectors
+    at a ``lanes``-vector stride, accumulator i takes vector element i), else ``thread_reduce_impl``
+    (element ``idx + i*lanes`` into accumulator i, ``idx += 4*lanes``, then the tail). Accumulators
+    combined left to right; ``block_x_reduce``: shared-memory halving while above 32 lanes, then the warp's
+    ``shfl_down`` with offsets 16, 8, .., 1 (``halving``: torch >= 2.10, pytorch#164790) or 1, 2, .., 16
+    (earlier releases); lane t adds lane t + offset.
     """
     rows, d = t.shape
     acc = np.zeros((rows, lanes, 4), F32)
     for lane in range(lanes):
         idx = lane
-        if d > 128:
+        if vectorized:
             while idx * 4 + 3 < d:
                 for i in range(4):
                     acc[:, lane, i] = acc[:, lane, i] + t[:, idx * 4 + i]
@@ -209,18 +210,23 @@ def cuda_row_sum(t: np.ndarray, lanes: int) -> np.ndarray:
             offset //= 2
         dim_x = 32
     value = value[:, :dim_x]
-    offset = 1
-    while offset < dim_x:
+    offsets = []
+    offset = dim_x // 2 if halving else 1
+    while 0 < offset < dim_x:
+        offsets.append(offset)
+        offset = offset // 2 if halving else offset * 2
+    for offset in offsets:
         shifted = value.copy()
         shifted[:, : dim_x - offset] = value[:, : dim_x - offset] + value[:, offset:dim_x]
         value = shifted
-        offset *= 2
     return value[:, 0]
 
 
 def test_torch_cuda_order_configurations():
     prod = kernel.torch_cuda_order(16384 * 64, 512)  # the DSv4 query at sq 16384
-    assert (prod.lanes, prod.nacc, prod.acc_inner, prod.exact) == (32, 4, True, True)
+    assert (prod.lanes, prod.nacc, prod.acc_inner, prod.exact, prod.halving) == (32, 4, True, True, True)
+    assert kernel.torch_cuda_order(64, 128).acc_inner  # torch 2.11 vectorises from d = 128 (dim0 >= 128)
+    assert not kernel.torch_cuda_order(64, 128, vec_min_d=129).acc_inner  # older releases: d > 128
     assert prod.mean_factor == 2.0**-9 and prod.inv_d == 2.0**-9
     assert (kernel.torch_cuda_order(4096, 64).lanes, kernel.torch_cuda_order(4096, 64).acc_inner) == (32, False)
     assert kernel.torch_cuda_order(1, 512).lanes == 128  # one row: the block is all x
@@ -231,16 +237,21 @@ def test_torch_cuda_order_configurations():
 
 
 GPU_CASES = [((2, 3, 4), 64), ((1, 4, 4), 512), ((1, 1, 1), 512), ((2, 2, 1), 200), ((1, 2, 16), 100),
-             ((1, 1, 3), 7), ((1, 2, 8), 576), ((1, 1, 1), 4096), ((1, 3, 7), 33)]
+             ((1, 1, 3), 7), ((1, 2, 8), 576), ((1, 1, 1), 4096), ((1, 3, 7), 33), ((2, 3, 4), 128),
+             ((1, 2, 4), 1024), ((1, 2, 1), 2048)]
+# (vec_min_d, halving): torch 2.11 (the H200 image) and the older Reduce.cuh
+VARIANTS = [(128, True), (129, False)]
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("lead, d", GPU_CASES)
-def test_gpu_configuration_matches_a_simulation_of_torch_cuda(lead, d):
+def test_gpu_configuration_matches_a_simulation_of_torch_cuda(lead, d, variant):
+    vec_min_d, halving = variant
     rng = np.random.default_rng(d)
     x = (rng.standard_normal(lead + (d,)) * 3).astype(F32)
     g = rng.standard_normal(lead + (d,)).astype(F32)
     rows = int(np.prod(lead))
-    order = kernel.torch_cuda_order(rows, d)
+    order = kernel.torch_cuda_order(rows, d, vec_min_d=vec_min_d, halving=halving)
     assert order.exact
     xt = torch.from_numpy(x)
     before = LAUNCH_COUNTS[FWD]
@@ -249,10 +260,11 @@ def test_gpu_configuration_matches_a_simulation_of_torch_cuda(lead, d):
     dx = kernel.q_rms_norm_bwd(torch.from_numpy(g), xt, r, order)
     x2, g2 = x.reshape(rows, d), g.reshape(rows, d)
     eps = F32(EPS)
-    ms = cuda_row_sum(x2 * x2, order.lanes) * F32(order.mean_factor)  # MeanOps::project: a * factor
+    vec = d >= vec_min_d
+    ms = cuda_row_sum(x2 * x2, order.lanes, vec, halving) * F32(order.mean_factor)  # MeanOps::project: a * factor
     r_ref = F32(1) / np.sqrt(ms + eps)  # the interpreter's rsqrt (the GPU: rsqrt.approx.f32)
     y_ref = x2 * r_ref[:, None]
-    g_r = cuda_row_sum(g2 * x2, order.lanes)  # MulBackward's sum_to_size, same reduction
+    g_r = cuda_row_sum(g2 * x2, order.lanes, vec, halving)  # MulBackward's sum_to_size, same reduction
     d_ms = (g_r * F32(-0.5)) * ((r_ref * r_ref) * r_ref)  # -0.5 * grad * result.pow(3)
     d_sq = d_ms * F32(order.inv_d)  # mean_backward: / d as a multiply by fp32(1/d)
     dx_ref = g2 * r_ref[:, None] + d_sq[:, None] * (x2 * F32(2))  # + pow_backward
@@ -264,24 +276,58 @@ def test_gpu_configuration_matches_a_simulation_of_torch_cuda(lead, d):
         seq = np.zeros(rows, F32)
         for j in range(d):
             seq = seq + (x2 * x2)[:, j]
-        assert not np.array_equal(seq, cuda_row_sum(x2 * x2, order.lanes))
+        assert not np.array_equal(seq, cuda_row_sum(x2 * x2, order.lanes, vec, halving))
 
 
-@pytest.mark.parametrize("lead, d", [((1, 5, 8), 512), ((2, 3, 3), 576), ((1, 17, 1), 64)])
+def test_the_two_warp_trees_differ():
+    """Anti-vacuity for the shuffle order: the two trees give other bits on some rows."""
+    rng = np.random.default_rng(0)
+    t = (rng.standard_normal((256, 512)) ** 2).astype(F32)
+    assert not np.array_equal(cuda_row_sum(t, 32, True, True), cuda_row_sum(t, 32, True, False))
+
+
+@pytest.mark.parametrize("lead, d", [((1, 5, 8), 512), ((2, 3, 3), 576), ((1, 17, 1), 64), ((2, 9, 4), 4096)])
 def test_gpu_block_sizes_in_the_interpreter(monkeypatch, lead, d):
-    """The GPU launch geometry (16 rows per program, 256-column apply steps) gives the same bits."""
+    """The GPU launch geometry (one-pass rows per program, or the streamed path's 256-column steps) gives
+    the same bits as the interpreter's."""
     monkeypatch.setattr(kernel, "is_interpreted", lambda: False)
     rng = np.random.default_rng(d + 1)
     x = rng.standard_normal(lead + (d,)).astype(F32)
     g = rng.standard_normal(lead + (d,)).astype(F32)
     rows = int(np.prod(lead))
     order = kernel.torch_cuda_order(rows, d)
-    assert kernel._config(d, order)["BLOCK_R"] == 16 and kernel._config(d, order)["BLOCK_D"] == min(256, d)
+    cfg = kernel._config(d, order)
+    chunk = order.lanes * 4
+    if cfg["ONE_PASS"]:
+        assert cfg["BLOCK_R"] == max(1, kernel.FWD_ROWS * 128 // chunk)
+    else:
+        assert -(-d // chunk) > kernel.MAX_TILES and cfg["BLOCK_R"] == 2048 // chunk and cfg["BLOCK_D"] == 256
     xt = torch.from_numpy(x)
     y, r = kernel.q_rms_norm_fused(xt, EPS, order)
     dx = kernel.q_rms_norm_bwd(torch.from_numpy(g), xt, r, order)
     monkeypatch.undo()
     y2, r2 = kernel.q_rms_norm_fused(xt, EPS, order)
     dx2 = kernel.q_rms_norm_bwd(torch.from_numpy(g), xt, r2, order)
+    for a, b, what in ((y, y2, "y"), (r, r2, "r"), (dx, dx2, "dx")):
+        assert_bytes_equal(a.numpy(), b.numpy(), what)
+
+
+def test_one_pass_and_streamed_kernels_agree():
+    """The one-pass kernels (row held in registers) and the streamed ones (row read twice) give the same bits."""
+    rng = np.random.default_rng(5)
+    x = torch.from_numpy((rng.standard_normal((2, 3, 5, 512)) * 2).astype(F32))
+    g = torch.from_numpy(rng.standard_normal((2, 3, 5, 512)).astype(F32))
+    order = kernel.torch_cuda_order(30, 512)
+    assert kernel._one_pass(512, order)
+    y, r = kernel.q_rms_norm_fused(x, EPS, order)
+    dx = kernel.q_rms_norm_bwd(g, x, r, order)
+    streamed = kernel.MAX_TILES
+    try:
+        kernel.MAX_TILES = 0
+        assert not kernel._one_pass(512, order)
+        y2, r2 = kernel.q_rms_norm_fused(x, EPS, order)
+        dx2 = kernel.q_rms_norm_bwd(g, x, r2, order)
+    finally:
+        kernel.MAX_TILES = streamed
     for a, b, what in ((y, y2, "y"), (r, r2, "r"), (dx, dx2, "dx")):
         assert_bytes_equal(a.numpy(), b.numpy(), what)

@@ -14,9 +14,24 @@ compare / where / reshape sequence and is bitwise equal to it:
 - negative entries are written back unchanged (they are not normalised to -1).
 
 Layout: ``local_idx`` is [B, S, K] with any strides; the result is a new contiguous [B*S, K] table in
-the input's dtype and framework. One program handles ``BLOCK_R`` rows (the batch index is computed per
-row, not per element) by ``BLOCK_K`` columns: 32 KiB of table per program, 16-byte vector accesses when
-the column stride is 1, which Triton specialises on.
+the input's dtype and framework.
+
+- **Contiguous tables** (the production case) take a flat 1-D path: ``FLAT_BLOCK_BYTES`` of table per
+  program, 16-byte vector loads and stores, one division per program (``b0 = start // (S*K)``; a program
+  no longer than ``S*K`` meets at most one batch boundary, so each entry picks ``b0`` or ``b0 + 1`` by a
+  compare); for B = 1 the offset is 0 and the op is a copy.
+- **Any other strides**: ``BLOCK_R`` rows (the batch index computed per row, not per element) by
+  ``BLOCK_K`` columns, 32 KiB of table per program, 16-byte accesses when the column stride is 1.
+
+H200 measurements (2026, int32, seqlen_kv 65536 + 512; ``scripts/bench/fusion_cases_k1.py --sweep``):
+a ``clone`` of the table is the practical ceiling at these sizes (B=1 [16384, 640], 84 MB of traffic:
+25.1 us, 78% of the 4.3 TB/s large-copy rate; the rest is ramp and tail). The flat path at 4 KiB per
+program (the default) ran 24.5 us there and 72.3 us for [16384, 2176] (clone 71.5), B=4 [4096, 640]
+24.5 us; 2 KiB: 23.9 / 71.6 / 24.9 us; 8-16 KiB: 25.3 / 75.1 / 25.5 us; the 2-D kernel 28.1 / 76.8 /
+36.8 us; 32 KiB programs and evict-first / streaming-store hints were slower. Timings of this ~25 us op
+move by a few us between runs (the same 4 KiB kernel read 28.3 us in ``bench_fusions.py`` right after).
+The host side dominates at K=640: back-to-back calls cost ~45 us each (validation and allocation 8 us,
+the rest Triton's launch path), so outside a CUDA graph the op is launch-bound there.
 """
 
 from __future__ import annotations
@@ -36,24 +51,52 @@ _TILE_BYTES = 32 * 1024
 @triton.jit
 def _kv_idx_remap_kernel(
     idx_ptr, out_ptr, seqlen_kv,
-    n_rows, S, K,
+    n_rows, S, K, n_flat, SK,
     s_b, s_s, s_k,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    FLAT: tl.constexpr, BLOCK: tl.constexpr, ONE_BATCH: tl.constexpr, WIDE: tl.constexpr,
+    STREAM: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # int32 (n_rows < 2**31): a cheap division
-    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    row_mask = rows < n_rows
-    mask = row_mask[:, None] & (cols < K)[None, :]
-    b = rows // S
-    s = rows - b * S
-    b = b.to(tl.int64)  # offsets and ids in int64
-    src = idx_ptr + (b * s_b + s.to(tl.int64) * s_s)[:, None] + cols[None, :].to(tl.int64) * s_k
-    local = tl.load(src, mask=mask, other=0)
-    wide = local.to(tl.int64)
-    offset = b * seqlen_kv
-    remapped = tl.where(wide >= 0, wide + offset[:, None], wide)
-    dst = out_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :]
-    tl.store(dst, remapped.to(out_ptr.dtype.element_ty), mask=mask)
+    if FLAT:
+        # contiguous table: a flat 1-D stream of n_flat = B*S*K entries, BLOCK <= S*K per program, so a
+        # program meets at most one batch boundary: b = b0 or b0 + 1, one compare per entry.
+        if WIDE:
+            start = tl.program_id(0).to(tl.int64) * BLOCK
+        else:
+            start = tl.program_id(0) * BLOCK
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < n_flat
+        if STREAM:  # read once, written once: keep neither in L2
+            local = tl.load(idx_ptr + offs, mask=mask, other=0, eviction_policy="evict_first")
+        else:
+            local = tl.load(idx_ptr + offs, mask=mask, other=0)
+        if ONE_BATCH:  # b = 0 everywhere: where(idx >= 0, idx + 0, idx) is idx, bit for bit
+            remapped = local
+        else:
+            b0 = start // SK  # one division per program
+            off0 = (b0.to(tl.int64) * seqlen_kv).to(local.dtype)  # < 2**31 for int32 (check_args)
+            off1 = ((b0 + 1).to(tl.int64) * seqlen_kv).to(local.dtype)  # only used below n_flat, so in range
+            offset = tl.where(offs >= (b0 + 1) * SK, off1, off0)
+            remapped = tl.where(local >= 0, local + offset, local)  # wraps like the table dtype
+        if STREAM:
+            tl.store(out_ptr + offs, remapped, mask=mask, cache_modifier=".cs")
+        else:
+            tl.store(out_ptr + offs, remapped, mask=mask)
+    else:
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # int32 (n_rows < 2**31): a cheap division
+        cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        row_mask = rows < n_rows
+        mask = row_mask[:, None] & (cols < K)[None, :]
+        b = rows // S
+        s = rows - b * S
+        b = b.to(tl.int64)  # offsets and ids in int64
+        src = idx_ptr + (b * s_b + s.to(tl.int64) * s_s)[:, None] + cols[None, :].to(tl.int64) * s_k
+        local = tl.load(src, mask=mask, other=0)
+        wide = local.to(tl.int64)
+        offset = b * seqlen_kv
+        remapped = tl.where(wide >= 0, wide + offset[:, None], wide)
+        dst = out_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :]
+        tl.store(dst, remapped.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _dtype_name(t: Any) -> str:
@@ -100,10 +143,22 @@ def _detached(t: Any) -> Any:
 
 
 def tile(width: int, itemsize: int) -> tuple[int, int]:
-    """(BLOCK_R, BLOCK_K): 128 columns (or the next power of two below), rows filling 32 KiB."""
+    """(BLOCK_R, BLOCK_K) of the strided path: 128 columns (or the next power of two below), rows filling 32 KiB."""
     block_k = min(128, triton.next_power_of_2(max(width, 1)))
     block_r = max(1, _TILE_BYTES // (itemsize * block_k))
     return block_r, block_k
+
+
+# Flat path (contiguous tables): entries per program and warps. Tuned on the H200 (scripts/bench): see
+# the module docstring. ``TUNE`` lets the benchmark sweep them without editing the module.
+FLAT_BLOCK_BYTES = 4 * 1024
+FLAT_NUM_WARPS = 4
+FLAT_STREAM = False
+TUNE: dict = {}
+
+
+def flat_block(itemsize: int) -> int:
+    return int(TUNE.get("flat_block_bytes", FLAT_BLOCK_BYTES)) // itemsize
 
 
 def local_to_global_flat(local_idx: Any, seqlen_kv: int) -> Any:
@@ -114,13 +169,25 @@ def local_to_global_flat(local_idx: Any, seqlen_kv: int) -> Any:
     if n_rows == 0 or width == 0:
         return out
     itemsize = 4 if _dtype_name(local_idx) == "int32" else 8
-    block_r, block_k = tile(width, itemsize)
     s_b, s_s, s_k = _strides(local_idx)
+    n_flat, sk = n_rows * width, seq * width
+    block = flat_block(itemsize)
+    contiguous = (width == 1 or s_k == 1) and (seq == 1 or s_s == width) and (batch == 1 or s_b == sk)
+    flat = contiguous and (batch == 1 or sk >= block) and not TUNE.get("force_2d", False)
+    if flat:
+        grid = (triton.cdiv(n_flat, block),)
+        block_r, block_k, warps = 1, 1, int(TUNE.get("flat_num_warps", FLAT_NUM_WARPS))
+    else:
+        block_r, block_k = tile(width, itemsize)
+        grid = (triton.cdiv(n_rows, block_r), triton.cdiv(width, block_k))
+        warps = 8
     launch(
-        _kv_idx_remap_kernel, (triton.cdiv(n_rows, block_r), triton.cdiv(width, block_k)),
+        _kv_idx_remap_kernel, grid,
         _detached(local_idx), out, seqlen_kv,
-        n_rows, seq, width,
+        n_rows, seq, width, n_flat, sk,
         s_b, s_s, s_k,
-        BLOCK_R=block_r, BLOCK_K=block_k, num_warps=8,
+        BLOCK_R=block_r, BLOCK_K=block_k,
+        FLAT=flat, BLOCK=block, ONE_BATCH=batch == 1, WIDE=n_flat + block >= 2**31,
+        STREAM=bool(TUNE.get("stream", FLAT_STREAM)), num_warps=warps,
     )
     return out

@@ -10,8 +10,9 @@ output in q's dtype) and these guarantees:
   position-dependent approximation that no kernel can reproduce; see ``kernel.py``). So the forward is
   two kernel launches around two tiny Paddle ops, the backward one launch.
 - **GPU**: one forward kernel and one backward kernel in torch CUDA's reduction order and gradient
-  formulas (``kernel.torch_cuda_order``); bitwise against the eager torch op sequence is what the H200
-  tests check (``tests/gpu/test_q_rms_norm_gpu.py``). Against Paddle GPU's own eager ops it is unverified
+  formulas (``kernel.torch_cuda_order``, torch 2.11's Reduce.cuh); bitwise against the eager torch op
+  sequence (y, r and dx, bf16 and fp32, the production shape included) is what the H200 tests check and
+  pass (``tests/gpu/test_q_rms_norm_gpu.py``, torch 2.11.0+cu130). Against Paddle GPU's own eager ops it is unverified
   (no Paddle GPU machine here), so no bitwise claim is made for Paddle GPU.
 
 bf16/fp16 need a GPU: the interpreter's bf16 rounding is wrong, so the CPU path accepts fp32 only.
