@@ -190,9 +190,14 @@ class Trainer:
         self.optimizer.clear_grad(set_to_zero=False)  # None, not zeros: untouched parameters stay un-updated
         self.scheduler.step()
         offset = 3
+        # Indexer warm-up freezes the backbone; the routing bias is part of it, so only its counts reset.
+        frozen = self.config.model.train_indexer_only
         for layer in self.moe_layers:
             n = layer.tokens_per_expert.shape[0]
-            layer.update_expert_bias(stats[offset : offset + n])
+            if frozen:
+                layer.router.reset_tokens_per_expert()
+            else:
+                layer.update_expert_bias(stats[offset : offset + n])
             offset += n
         self.consumed_samples += self.order.global_batch
         self.global_step = step
