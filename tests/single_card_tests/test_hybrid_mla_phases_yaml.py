@@ -1,8 +1,8 @@
 """Issue #5's end-to-end bar: a tiny model with -2 layers trains through the three DSA phases from YAML.
 
 ``configs/dsv4_hybrid_mla_cpu.yaml`` is trained by ``scripts/pretrain.py`` for a few steps per phase:
-full-causal latent MQA (LM loss falls, no indexer loss), indexer warm-up with a frozen backbone (the LM
-loss does not move, the indexer KL falls), and sparse attention over window + top-k (LM loss falls,
+full-causal latent MQA (LM loss falls, no indexer loss), indexer warm-up with a frozen backbone (the held-out
+LM loss does not move by a bit, the indexer KL falls), and sparse attention over window + top-k (LM loss falls,
 the indexer KL is reported).
 """
 
