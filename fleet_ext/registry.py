@@ -108,9 +108,13 @@ FUSIONS: dict[str, Fusion] = {
 
 # Backend-valued switches: value -> whether that backend has landed.
 BACKENDS: dict[str, dict[str, bool]] = {
-    "csa_sparse_attn_backend": {"unfused": True, "triton": False},
-    "mqa_sparse_attn_backend": {"unfused": True, "triton": False},
+    "csa_sparse_attn_backend": {"unfused": True, "triton": True},
+    "mqa_sparse_attn_backend": {"unfused": True, "triton": True},
 }
+BACKEND_GUARANTEE = (
+    "Triton sparse attention (fwd + deterministic bwd): not bitwise (online softmax, other summation order); "
+    "fp32 within 1e-5 relative of the reference, byte-identical run to run"
+)
 
 
 def config_errors(config: Any) -> list[tuple[str, Any, str, str]]:
@@ -126,6 +130,9 @@ def config_errors(config: Any) -> list[tuple[str, Any, str, str]]:
         reason = fusion.config_gate(config)
         if reason:
             errors.append((fusion.switch, True, reason, f"set `{fusion.switch}: false` or change the config"))
+    if config.fusion.dsa_sink_grad_fusion and config.fusion.csa_sparse_attn_backend == "triton":
+        errors.append(("dsa_sink_grad_fusion", True, "the Triton sparse-attention backward computes d_sink itself",
+                       "set `dsa_sink_grad_fusion: false` (it serves the unfused backend)"))
     for switch, backends in BACKENDS.items():
         value = getattr(config.fusion, switch)
         if not backends.get(value, False):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from fleet_ext import capability
 from fleet_ext.config import FleetExtConfig
-from fleet_ext.registry import BACKENDS, FUSIONS
+from fleet_ext.registry import BACKEND_GUARANTEE, FUSIONS
 
 
 @dataclass(frozen=True)
@@ -24,8 +24,9 @@ class AttentionOps:
 
     rope: Callable
     q_rms_norm: Callable
-    sparse_attn: Callable
+    sparse_attn: Callable  # DSv4 CSA / HCA / window / full-causal cores (csa_sparse_attn_backend)
     inv_rope_postmix: Callable
+    mqa_sparse_attn: Callable  # latent MQA of the -2 layers (mqa_sparse_attn_backend)
 
 
 @dataclass(frozen=True)
@@ -50,32 +51,45 @@ class BackendProvider:
         remap = self._resolve("sparse_attn_global_kv_idx_remap_fusion")
         sparse = self._resolve("dsa_sink_grad_fusion")
         inv_rope_postmix = self._resolve("fuse_inv_rope_into_vha_postmix")
-        for switch in ("use_fused_mhc",):
-            self._rows.append(ResolvedSwitch(switch, False, "reference (pure Paddle)", "switch off (default)"))
-        for switch in BACKENDS:
-            value = getattr(config.fusion, switch)
-            self._rows.append(ResolvedSwitch(switch, value, "reference (pure Paddle)", "gather-softmax with sink"))
+        self._rows.append(ResolvedSwitch("use_fused_mhc", False, "reference (pure Paddle)", "switch off (default)"))
+        reference_sparse = functools.partial(sparse, remap=remap)
         self.attention_ops = AttentionOps(
             rope=rope,
             q_rms_norm=q_norm,
-            sparse_attn=functools.partial(sparse, remap=remap),
+            sparse_attn=self._sparse_backend("csa_sparse_attn_backend", reference_sparse, remap),
             inv_rope_postmix=functools.partial(inv_rope_postmix, rope=rope),
+            mqa_sparse_attn=self._sparse_backend("mqa_sparse_attn_backend", reference_sparse, remap),
         )
+
+    def _sparse_backend(self, switch: str, reference: Callable, remap: Callable) -> Callable:
+        """The gather-softmax reference, or the Triton sparse-attention kernel family (fwd + deterministic bwd)."""
+        if getattr(self.config.fusion, switch) == "unfused":
+            self._rows.append(ResolvedSwitch(switch, "unfused", "reference (pure Paddle)", "gather-softmax with sink"))
+            return reference
+        where = self._triton_target(switch, "triton")
+        from fleet_ext.ops.sparse_attn.function import sparse_attention_triton
+
+        self._rows.append(ResolvedSwitch(switch, "triton", where, f"switch on; {BACKEND_GUARANTEE}"))
+        return functools.partial(sparse_attention_triton, remap=remap)
+
+    def _triton_target(self, switch: str, value: object) -> str:
+        """Raise if Triton cannot run here; else prepare it and say where the kernels run."""
+        cap = self.capability
+        reason = cap.triton_unusable_reason()
+        if reason is not None:
+            raise ValueError(
+                f"config key `{switch}` = {value!r} cannot run on this machine ({cap.describe()}): {reason}. "
+                f"Fix: install what is missing or set `{switch}` off"
+            )
+        capability.prepare_triton(interpreter=cap.interpreter)
+        return "Triton interpreter (CPU, slow)" if cap.interpreter else f"Triton sm{cap.sm[0]}{cap.sm[1]}"
 
     def _resolve(self, switch: str) -> Callable:
         fusion = FUSIONS[switch]
         if not getattr(self.config.fusion, switch):
             self._rows.append(ResolvedSwitch(switch, False, "reference (pure Paddle)", "switch off (default)"))
             return fusion.load("reference")
-        cap = self.capability
-        reason = cap.triton_unusable_reason()
-        if reason is not None:
-            raise ValueError(
-                f"config key `{switch}` = True cannot run on this machine ({cap.describe()}): {reason}. "
-                f"Fix: install what is missing or set `{switch}: false`"
-            )
-        capability.prepare_triton(interpreter=cap.interpreter)
-        where = "Triton interpreter (CPU, slow)" if cap.interpreter else f"Triton sm{cap.sm[0]}{cap.sm[1]}"
+        where = self._triton_target(switch, True)
         guarantee = "bitwise equal to the reference" if fusion.bitwise_equal else f"tolerance: {fusion.tolerance}"
         self._rows.append(ResolvedSwitch(switch, True, where, f"switch on; {guarantee}"))
         return fusion.load("fused")

@@ -115,7 +115,7 @@ class MLASelfAttention(FleetLayer):
         self.rope_table, self._cos_sin_factor, softmax_factor = hybrid_mla_rope(m)
         self.softmax_scale = (self.nope + self.rope_dim) ** -0.5 * softmax_factor
         self.core_attention = (
-            None if self.mode == "mha" else MQALatentAttention(m, ops.sparse_attn, self.softmax_scale)
+            None if self.mode == "mha" else MQALatentAttention(m, ops.mqa_sparse_attn, self.softmax_scale)
         )
 
     # -- pieces shared by every mode --------------------------------------------------------------------

@@ -121,7 +121,8 @@ def test_renamed_keys_raise_with_their_new_name(old, new):
         ({"fuse_inv_rope_into_vha_postmix": True, "use_vha_attention": True, "vha_postmix_grouped": True},
          r"ungrouped postmix only"),
         ({"fuse_inv_rope_into_vha_postmix": True, "use_vha_attention": True}, r"set apply_rope_fusion: true"),
-        ({"csa_sparse_attn_backend": "triton"}, r"`csa_sparse_attn_backend` = 'triton'.*not supported yet"),
+        ({"csa_sparse_attn_backend": "triton", "dsa_sink_grad_fusion": True},
+         r"`dsa_sink_grad_fusion`.*Triton sparse-attention backward computes d_sink itself"),
         ({"csa_sparse_attn_backend": "cudnn"}, r"allowed one of \['unfused', 'triton'\]"),
     ],
 )

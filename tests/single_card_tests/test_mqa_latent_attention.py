@@ -5,6 +5,7 @@ through full-causal -> warm-up -> sparse from YAML files."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import mla_oracles as orc
@@ -160,7 +161,7 @@ def test_the_core_calls_the_backend_sparse_attention_slot():
 
     config = _config("mqa_dsa", dsa_indexer_use_sparse_loss=True)
     ops = BackendProvider(config).attention_ops
-    ops = AttentionOps(rope=ops.rope, q_rms_norm=ops.q_rms_norm, sparse_attn=spy, inv_rope_postmix=ops.inv_rope_postmix)
+    ops = dataclasses.replace(ops, mqa_sparse_attn=spy)
     layer = _layer("mqa_dsa", ops=ops, dsa_indexer_use_sparse_loss=True)
     layer(paddle.to_tensor(_x()))
     (q, kv, idx, sink, scale, kwargs) = calls[-1]

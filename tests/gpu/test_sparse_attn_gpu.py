@@ -1,0 +1,152 @@
+"""Triton sparse MQA attention with sink on a GPU (torch CUDA tensors, bf16), forward and deterministic backward.
+
+Run on the H200 (torch + Triton, no Paddle):  python -m pytest -q tests/gpu/test_sparse_attn_gpu.py
+
+Reference: the same maths in fp32 torch (dsv4_math.md §2.5 / §7) on the bf16 inputs upcast, chunked over
+queries so the gathered [chunk, K, d] tensor stays small, gradients by autograd (fp32, TF32 off).
+
+bf16 tolerances (relative Frobenius norm ``|x - ref| / |ref|``, plus max-abs for the LSE):
+- ``out``: 1e-2. P is rounded to bf16 before the PV product (2^-9 relative per weight) and ``out`` is
+  stored in bf16 (2^-9): the norm-wise error lands around 3e-3.
+- ``lse``: 2e-3 absolute. Logits are exact bf16 products summed in fp32; only the summation order differs.
+- ``dq``, ``dkv``: 2e-2. dS and P enter the gradient GEMMs in bf16 and the results are stored in bf16;
+  ``dkv`` sums up to thousands of such contributions (in fp32) per row.
+- ``d_sink``: 1e-2. It is computed from the bf16 ``out`` and ``d_out`` (``delta = rowsum(dO * O)``).
+Determinism: two backward runs on the same inputs must agree byte for byte (no floating-point atomics).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU (the Triton kernels are tested on CPU by "
+                "tests/single_card_tests/test_sparse_attn_triton.py)", allow_module_level=True)
+
+from fleet_ext.ops.sparse_attn import kernel  # noqa: E402
+
+TOL = {"out": 1e-2, "lse_abs": 2e-3, "dq": 2e-2, "dkv": 2e-2, "d_sink": 1e-2}
+DEV = "cuda"
+
+
+def causal_topk_index(seq: int, topk: int, window: int, gen: torch.Generator) -> torch.Tensor:
+    """[seq, topk] int32: window of the `window` latest keys + top of random scores over the rest; -1 where hidden."""
+    rows = []
+    for t0 in range(0, seq, 1024):
+        t = torch.arange(t0, min(seq, t0 + 1024), device=DEV)[:, None]
+        j = torch.arange(seq, device=DEV)[None, :]
+        score = torch.rand((t.shape[0], seq), device=DEV, generator=gen)
+        score = torch.where(j <= t, score, float("-inf"))
+        score = torch.where((j <= t) & (j > t - window), 2.0, score)
+        val, idx = torch.topk(score, min(topk, seq), dim=-1)
+        rows.append(torch.where(torch.isfinite(val), idx, -1))
+    idx = torch.cat(rows).to(torch.int32)
+    if idx.shape[1] < topk:
+        idx = torch.cat([idx, idx.new_full((seq, topk - idx.shape[1]), -1)], 1)
+    return idx.contiguous()
+
+
+def reference(q, kv, idx, sink, scale, d_v, d_out, d_lse, topk_length=None, chunk=256):
+    """fp32 forward (out, lse) and gradients (dq, dkv, d_sink) of sum(out*d_out) + sum(lse*d_lse)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    q32 = q.float()
+    kv32 = kv.float().requires_grad_(True)
+    sink32 = sink.float().requires_grad_(True)
+    n_kv = kv.shape[0]
+    outs, lses, dqs = [], [], []
+    for t0 in range(0, q.shape[0], chunk):
+        qc = q32[t0:t0 + chunk].clone().requires_grad_(True)
+        ic = idx[t0:t0 + chunk].long()
+        valid = (ic >= 0) & (ic < n_kv)
+        if topk_length is not None:
+            valid &= torch.arange(ic.shape[1], device=DEV)[None, :] < topk_length[t0:t0 + chunk, None]
+        g = kv32[torch.where(valid, ic, 0)]  # [c, K, d]
+        logits = torch.einsum("thd,tkd->thk", qc, g) * scale
+        logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+        sink_col = sink32[None, :, None].expand(logits.shape[0], -1, 1)
+        full = torch.cat([logits, sink_col], -1)
+        lse = torch.logsumexp(full, -1)
+        p = torch.exp(logits - lse[..., None])
+        out = torch.einsum("thk,tkd->thd", p, g[..., :d_v])
+        loss = (out * d_out[t0:t0 + chunk].float()).sum() + (lse * d_lse[t0:t0 + chunk]).sum()
+        loss.backward()
+        outs.append(out.detach())
+        lses.append(lse.detach())
+        dqs.append(qc.grad)
+    return torch.cat(outs), torch.cat(lses), torch.cat(dqs), kv32.grad, sink32.grad
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.int32 if x.element_size() == 4 else torch.int16)
+
+
+def rel(x, ref) -> float:
+    x, ref = x.float(), ref.float()
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def make_case(seq, heads, d_qk, d_v, topk, window, n_extra=0, seed=0):
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    q = torch.randn((seq, heads, d_qk), device=DEV, generator=gen).to(torch.bfloat16)
+    kv = torch.randn((seq + n_extra, d_qk), device=DEV, generator=gen).to(torch.bfloat16)
+    idx = causal_topk_index(seq, topk, window, gen)
+    sink = (torch.rand((heads,), device=DEV, generator=gen) * 3 - 1).float()
+    d_out = torch.randn((seq, heads, d_v), device=DEV, generator=gen).to(torch.bfloat16)
+    d_lse = torch.randn((seq, heads), device=DEV, generator=gen) * 0.1
+    return q, kv, idx, sink, d_out, d_lse
+
+
+def check(q, kv, idx, sink, d_v, d_out, d_lse, topk_length=None, **bwd_kw):
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    out, lse = kernel.sparse_attn_fwd(q, kv, idx, sink, scale, d_v=d_v, topk_length=topk_length)
+    grads = kernel.sparse_attn_bwd(q, kv, idx, sink, scale, out, lse, d_out, d_lse, d_v=d_v,
+                                   topk_length=topk_length, **bwd_kw)
+    grads2 = kernel.sparse_attn_bwd(q, kv, idx, sink, scale, out, lse, d_out, d_lse, d_v=d_v,
+                                    topk_length=topk_length, **bwd_kw)
+    torch.cuda.synchronize()
+    for name, a, b in zip(("dq", "dkv", "d_sink"), grads, grads2):
+        assert torch.equal(bits(a), bits(b)), f"{name} differs between two runs (not deterministic)"
+    r_out, r_lse, r_dq, r_dkv, r_sink = reference(q, kv, idx, sink, scale, d_v, d_out, d_lse, topk_length)
+    errors = {"out": rel(out, r_out), "dq": rel(grads[0], r_dq), "dkv": rel(grads[1], r_dkv),
+              "d_sink": rel(grads[2], r_sink)}
+    finite = torch.isfinite(r_lse)
+    errors["lse_abs"] = (lse[finite] - r_lse[finite]).abs().max().item()
+    for name in ("out", "dq", "dkv"):
+        assert torch.isfinite(dict(zip(("out", "dq", "dkv"), (out, *grads[:2])))[name].float()).all(), name
+    print(f"[{tuple(q.shape)} K={idx.shape[1]} d_v={d_v}] errors: "
+          + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()))
+    bad = {k: v for k, v in errors.items() if not v <= TOL[k]}
+    assert not bad, f"errors over tolerance {bad} (all: {errors})"
+    return errors
+
+
+@pytest.mark.parametrize(
+    "seq, heads, d_qk, d_v, topk, window, n_extra",
+    [
+        (4096, 128, 576, 512, 2048, 128, 0),  # V3.2 latent MQA, h = 128
+        (4096, 64, 576, 512, 2048, 128, 0),  # V3.2 latent MQA, h = 64
+        (4096, 64, 512, 512, 640, 128, 1024),  # V4 CSA (K = 128 + 512; kv = raw + compressed)
+    ],
+    ids=["v32_h128", "v32_h64", "v4_csa_h64"],
+)
+def test_production_shapes(seq, heads, d_qk, d_v, topk, window, n_extra):
+    q, kv, idx, sink, d_out, d_lse = make_case(seq, heads, d_qk, d_v, topk, window, n_extra)
+    check(q, kv, idx, sink, d_v, d_out, d_lse)
+
+
+def test_edges_padded_heads_topk_length_chunks_empty_rows_duplicates():
+    seq, heads, d_qk, d_v, topk = 300, 20, 576, 512, 96  # 20 heads: masked in a 64-row tile
+    q, kv, idx, sink, d_out, d_lse = make_case(seq, heads, d_qk, d_v, topk, 16, seed=1)
+    idx[:7] = -1  # rows with no valid index: out = 0, lse = sink
+    idx[50:60, 1::2] = idx[50:60, 0:1]  # the same kv row repeated within and across queries
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    topk_length = torch.randint(0, topk + 1, (seq,), device=DEV, generator=gen, dtype=torch.int32)
+    check(q, kv, idx, sink, d_v, d_out, d_lse, topk_length=topk_length, max_partial_bytes=8 << 20)
+
+
+def test_bf16_partials():
+    q, kv, idx, sink, d_out, d_lse = make_case(1024, 64, 576, 512, 512, 64, seed=2)
+    check(q, kv, idx, sink, 512, d_out, d_lse, partial_dtype="bfloat16")

@@ -1,0 +1,270 @@
+"""Triton sparse MQA attention with sink on the CPU (Triton interpreter, fp32): kernels and the Paddle PyLayer.
+
+- Kernels (``kernel.sparse_attn_fwd`` / ``sparse_attn_bwd`` on torch CPU tensors) against an independent
+  float64 NumPy oracle written here from dsv4_math.md §2.5 (forward) and §7 (sink backward, plus the
+  gradient reaching the LSE): out, lse, dq, dkv, d_sink; rows whose indices are all -1, kv rows repeated
+  within and across queries (dkv accumulation), d_qk != d_v, partial head tiles, ``topk_length``, the
+  query-chunked backward, out-of-range ids skipped.
+- Determinism: two backward runs give byte-identical dq, dkv, d_sink.
+- ``function.sparse_attention_triton`` (Paddle tensors, PyLayer) against the Paddle reference
+  ``reference.sparse_attention_with_sink`` (forward and autograd), including widths that need padding.
+- Bad inputs raise ValueError naming the tensor.
+
+fp32 tolerance table (relative to the largest entry of the reference; measured errors are ~1e-7..5e-7):
+- kernel vs float64 oracle: 1e-5. Logits are <= 64-term fp32 dots, the online softmax rescales the
+  running sums once per block of 16 slots, and gradients chain two such contractions plus one sum per
+  kv row in CSR order: each step is a few ulps (1.2e-7), far under 1e-5.
+- PyLayer vs Paddle reference (both fp32): 1e-5, the same argument for both sides; they are not bitwise
+  equal because the reference sums over the whole index row at once and the kernel in blocks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import paddle
+import pytest
+
+from fleet_ext import capability
+
+capability.prepare_triton()
+torch = pytest.importorskip("torch")
+
+from fleet_ext.ops import launch  # noqa: E402
+from fleet_ext.ops.sparse_attn import kernel  # noqa: E402
+from fleet_ext.ops.sparse_attn.function import sparse_attention_triton  # noqa: E402
+from fleet_ext.ops.sparse_attn.reference import sparse_attention_with_sink  # noqa: E402
+
+REL = 1e-5
+
+
+# ------------------------------------------------------------------------------------------------------
+# float64 oracle (independent of fleet_ext)
+# ------------------------------------------------------------------------------------------------------
+def oracle(q, kv, idx, sink, scale, d_v, d_out, d_lse, topk_length=None):
+    """Flat layout. Loss = sum(out * d_out) + sum(lse * d_lse); returns out, lse, dq, dkv, d_sink (float64).
+
+    P_j = exp(l_j - LSE), P_sink = exp(sink - LSE), delta = rowsum(dO * O) - dLSE;
+    dl_j = P_j (dO . v_j - delta); dq = scale sum_j dl_j k_j; dkv_j += scale dl_j q (all d_qk channels)
+    + P_j dO (value channels); d_sink = -sum P_sink delta.
+    """
+    q, kv, sink, d_out, d_lse = (np.asarray(a, np.float64) for a in (q, kv, sink, d_out, d_lse))
+    num_t, heads, dim = q.shape
+    n_kv = kv.shape[0]
+    out, lse = np.zeros((num_t, heads, d_v)), np.zeros((num_t, heads))
+    dq, dkv, d_sink = np.zeros_like(q), np.zeros_like(kv), np.zeros(heads)
+    for t in range(num_t):
+        row = idx[t] if topk_length is None else idx[t][: max(0, min(int(topk_length[t]), idx.shape[1]))]
+        keys = [int(j) for j in row if 0 <= j < n_kv]
+        k = kv[keys].reshape(len(keys), dim)
+        logits = scale * q[t] @ k.T  # [H, n]
+        m = np.maximum(logits.max(1) if keys else -np.inf, sink)
+        e, e_sink = np.exp(logits - m[:, None]), np.exp(sink - m)
+        z = e.sum(1) + e_sink
+        p, p_sink = e / z[:, None], e_sink / z
+        out[t], lse[t] = p @ k[:, :d_v], m + np.log(z)
+        delta = (d_out[t] * out[t]).sum(1) - d_lse[t]
+        dl = p * (d_out[t] @ k[:, :d_v].T - delta[:, None])
+        dq[t] = scale * dl @ k
+        contrib = scale * dl.T @ q[t]
+        contrib[:, :d_v] += p.T @ d_out[t]
+        for a, j in enumerate(keys):
+            dkv[j] += contrib[a]
+        d_sink -= p_sink * delta
+    return out, lse, dq, dkv, d_sink
+
+
+def make_case(seed, num_t, heads, d_qk, d_v, n_kv, width, *, empty_rows=2, repeats=True, out_of_range=False):
+    rng = np.random.default_rng(seed)
+    q = (rng.standard_normal((num_t, heads, d_qk)) * 1.5).astype(np.float32)
+    kv = rng.standard_normal((n_kv, d_qk)).astype(np.float32)
+    idx = np.full((num_t, width), -1, dtype=np.int32)
+    for t in range(num_t):
+        m = rng.integers(1, min(width, n_kv) + 1)
+        idx[t, rng.choice(width, m, replace=False)] = rng.choice(n_kv, m, replace=False)
+    idx[:empty_rows] = -1  # rows with no valid index: out = 0, lse = sink
+    if repeats:  # one kv row read by many queries, and twice within a row
+        idx[empty_rows:, 0] = 3 % n_kv
+        idx[-1, 1] = 3 % n_kv
+    if out_of_range:
+        idx[-2, -1] = n_kv + 5  # >= N: skipped like -1
+        idx[-3, -1] = -7
+    sink = rng.uniform(-1.0, 2.0, heads).astype(np.float32)
+    d_out = rng.standard_normal((num_t, heads, d_v)).astype(np.float32)
+    d_lse = (rng.standard_normal((num_t, heads)) * 0.3).astype(np.float32)
+    return q, kv, idx, sink, d_out, d_lse
+
+
+def assert_close(name, got, ref, rel=REL):
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    assert got.shape == ref.shape, (name, got.shape, ref.shape)
+    assert np.isfinite(got).all(), f"{name}: non-finite values"
+    err = np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30)
+    assert err <= rel, f"{name}: relative error {err:.2e} > {rel:.0e}"
+
+
+def run_kernels(q, kv, idx, sink, scale, d_v, d_out, d_lse, topk_length=None, **bwd_kw):
+    t = [torch.from_numpy(np.ascontiguousarray(a)) for a in (q, kv, idx, sink, d_out, d_lse)]
+    tl_t = None if topk_length is None else torch.from_numpy(topk_length)
+    out, lse = kernel.sparse_attn_fwd(t[0], t[1], t[2], t[3], scale, d_v=d_v, topk_length=tl_t)
+    grads = kernel.sparse_attn_bwd(t[0], t[1], t[2], t[3], scale, out, lse, t[4], t[5], d_v=d_v,
+                                   topk_length=tl_t, **bwd_kw)
+    return [x.numpy() for x in (out, lse, *grads)]
+
+
+# (num_t, heads, d_qk, d_v, n_kv, width)
+CASES = {
+    "latent_dqk_ne_dv": (9, 3, 48, 32, 11, 24),  # d_qk = 32 + 16 (the 512 + 64 split in miniature)
+    "k_eq_v_multiblock": (6, 16, 32, 32, 40, 37),  # K not a multiple of the slot block
+    "two_head_tiles_partial": (4, 70, 32, 16, 7, 6),  # 70 heads: a full 64-head tile + a masked one
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernels_match_float64_oracle(case):
+    num_t, heads, d_qk, d_v, n_kv, width = CASES[case]
+    q, kv, idx, sink, d_out, d_lse = make_case(list(CASES).index(case), num_t, heads, d_qk, d_v, n_kv, width,
+                                               out_of_range=case == "k_eq_v_multiblock")
+    scale = 1.0 / math.sqrt(d_qk)
+    got = run_kernels(q, kv, idx, sink, scale, d_v, d_out, d_lse)
+    ref = oracle(q, kv, idx, sink, scale, d_v, d_out, d_lse)
+    for name, g, r in zip(("out", "lse", "dq", "dkv", "d_sink"), got, ref):
+        assert_close(f"{case}: {name}", g, r)
+    # rows with every index -1: out exactly 0, lse = sink, dq exactly 0
+    assert np.all(got[0][:2] == 0.0) and np.all(got[2][:2] == 0.0)
+    np.testing.assert_allclose(got[1][:2], np.broadcast_to(sink, (2, heads)), rtol=0, atol=1e-6)
+    # kv rows nobody reads get exactly zero gradient
+    unread = sorted(set(range(n_kv)) - {int(j) for j in idx.ravel() if 0 <= j < n_kv})
+    assert np.all(got[3][unread] == 0.0)
+
+
+def test_topk_length_and_chunked_backward():
+    num_t, heads, d_qk, d_v, n_kv, width = 8, 4, 48, 32, 12, 20
+    q, kv, idx, sink, d_out, d_lse = make_case(7, num_t, heads, d_qk, d_v, n_kv, width)
+    topk_length = np.array([0, 3, 20, 25, 7, 1, 16, 19], dtype=np.int32)  # 0, > K, block edges
+    scale = 0.3
+    # max_partial_bytes below one query's pair buffers: one query per chunk, chunks summed in order
+    got = run_kernels(q, kv, idx, sink, scale, d_v, d_out, d_lse, topk_length, max_partial_bytes=1)
+    ref = oracle(q, kv, idx, sink, scale, d_v, d_out, d_lse, topk_length)
+    for name, g, r in zip(("out", "lse", "dq", "dkv", "d_sink"), got, ref):
+        assert_close(f"topk_length: {name}", g, r)
+
+
+def test_backward_is_bitwise_deterministic():
+    q, kv, idx, sink, d_out, d_lse = make_case(11, 10, 5, 48, 32, 6, 16)  # 6 kv rows: heavy reuse
+    first = run_kernels(q, kv, idx, sink, 0.2, 32, d_out, d_lse, max_partial_bytes=20000)
+    second = run_kernels(q, kv, idx, sink, 0.2, 32, d_out, d_lse, max_partial_bytes=20000)
+    for name, a, b in zip(("out", "lse", "dq", "dkv", "d_sink"), first, second):
+        assert a.tobytes() == b.tobytes(), f"{name} differs between two runs"
+
+
+# ------------------------------------------------------------------------------------------------------
+# Paddle PyLayer vs the Paddle reference
+# ------------------------------------------------------------------------------------------------------
+def _paddle_run(fn, q, kv, idx, sink, scale, d_v, w_out, w_lse):
+    qt = paddle.to_tensor(q, stop_gradient=False)
+    kvt = paddle.to_tensor(kv, stop_gradient=False)
+    st = paddle.to_tensor(sink, stop_gradient=False)
+    out, lse = fn(qt, kvt, paddle.to_tensor(idx), st, scale, d_v=d_v)
+    loss = (out * paddle.to_tensor(w_out)).sum() + (lse * paddle.to_tensor(w_lse)).sum()
+    loss.backward()
+    return [x.numpy() for x in (out, lse, qt.grad, kvt.grad, st.grad)]
+
+
+@pytest.mark.parametrize(
+    "bsz, seq, heads, dim, d_v, n_kv, width, idx_dtype",
+    [
+        (2, 5, 3, 48, 32, 7, 6, "int32"),  # latent: value 32 + tail 16, two batches (remap)
+        (2, 4, 4, 24, 24, 5, 5, "int64"),  # width 24: zero-padded to 32 for the kernel
+        (1, 6, 2, 40, 24, 6, 4, "int32"),  # value 24 -> 32 and tail 16 (both padded)
+    ],
+    ids=["latent_b2", "pad_k_eq_v_int64", "pad_value_and_tail"],
+)
+def test_pylayer_matches_paddle_reference(bsz, seq, heads, dim, d_v, n_kv, width, idx_dtype):
+    rng = np.random.default_rng(bsz * 100 + dim)
+    q = rng.standard_normal((bsz, seq, heads, dim)).astype(np.float32)
+    kv = rng.standard_normal((bsz, n_kv, dim)).astype(np.float32)
+    idx = np.full((bsz, seq, width), -1, dtype=idx_dtype)
+    for b in range(bsz):
+        for t in range(seq):
+            m = rng.integers(0, min(width, n_kv) + 1)
+            idx[b, t, rng.choice(width, m, replace=False)] = rng.choice(n_kv, m, replace=False)
+    idx[0, 0] = -1
+    sink = rng.uniform(-1.0, 2.0, heads).astype(np.float32)
+    w_out = rng.standard_normal((bsz, seq, heads, d_v)).astype(np.float32)
+    w_lse = rng.standard_normal((bsz, seq, heads)).astype(np.float32)
+    scale = 1.0 / math.sqrt(dim)
+    before = launch.LAUNCH_COUNTS["_sparse_attn_fwd_kernel"], launch.LAUNCH_COUNTS["_bwd_dkv_reduce_kernel"]
+    got = _paddle_run(sparse_attention_triton, q, kv, idx, sink, scale, d_v, w_out, w_lse)
+    assert launch.LAUNCH_COUNTS["_sparse_attn_fwd_kernel"] > before[0], "the Triton forward did not run"
+    assert launch.LAUNCH_COUNTS["_bwd_dkv_reduce_kernel"] > before[1], "the Triton backward did not run"
+    ref = _paddle_run(sparse_attention_with_sink, q, kv, idx, sink, scale, d_v, w_out, w_lse)
+    for name, g, r in zip(("out", "lse", "dq", "dkv", "d_sink"), got, ref):
+        assert_close(f"pylayer vs reference: {name}", g, r)
+
+
+def test_pylayer_frozen_sink_and_unused_lse():
+    """A sink that needs no gradient gets None (Paddle requires it) and an unused lse sends no gradient."""
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((2, 4, 3, 32)).astype(np.float32)
+    kv = rng.standard_normal((2, 5, 32)).astype(np.float32)
+    idx = rng.integers(-1, 5, (2, 4, 6)).astype(np.int32)
+    sink = paddle.to_tensor(rng.uniform(-1.0, 1.0, 3).astype(np.float32))  # stop_gradient=True
+    grads = []
+    for fn in (sparse_attention_triton, sparse_attention_with_sink):
+        qt, kvt = paddle.to_tensor(q, stop_gradient=False), paddle.to_tensor(kv, stop_gradient=False)
+        out, _ = fn(qt, kvt, paddle.to_tensor(idx), sink, 0.2)
+        (out * out).sum().backward()
+        assert sink.grad is None
+        grads.append((qt.grad.numpy(), kvt.grad.numpy()))
+    for name, g, r in zip(("dq", "dkv"), grads[0], grads[1]):
+        assert_close(f"frozen sink: {name}", g, r)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Bad inputs
+# ------------------------------------------------------------------------------------------------------
+def _good():
+    return (paddle.zeros([1, 2, 3, 32]), paddle.zeros([1, 4, 32]), paddle.zeros([1, 2, 5], dtype="int32"),
+            paddle.zeros([3]))
+
+
+@pytest.mark.parametrize(
+    "which, bad, pattern",
+    [
+        ("q", paddle.zeros([2, 3, 32]), r"`q` must be \[B, S, H, d\]"),
+        ("q", paddle.zeros([1, 2, 3, 32], dtype="int32"), r"`q` must be float32"),
+        ("kv", paddle.zeros([1, 4, 16]), r"`kv` must be \[B, N, 32\]"),
+        ("kv", paddle.zeros([1, 4, 32], dtype="float64"), r"`kv` must have the dtype of `q`"),
+        ("idx", paddle.zeros([1, 3, 5], dtype="int32"), r"`idx` must be \[B, S, K\]"),
+        ("idx", paddle.zeros([1, 2, 5]), r"`idx` must be int32 or int64"),
+        ("sink", paddle.zeros([3], dtype="float64"), r"`sink` must be fp32 \[3\]"),
+        ("sink", paddle.zeros([4]), r"`sink` must be fp32 \[3\]"),
+    ],
+)
+def test_pylayer_rejects_bad_inputs_naming_the_tensor(which, bad, pattern):
+    args = dict(zip(("q", "kv", "idx", "sink"), _good()))
+    args[which] = bad
+    with pytest.raises(ValueError, match=pattern):
+        sparse_attention_triton(args["q"], args["kv"], args["idx"], args["sink"], 0.1)
+    with pytest.raises(ValueError, match=r"`d_v` must be in \[1, 32\]"):
+        sparse_attention_triton(*_good(), 0.1, d_v=40)
+
+
+def test_kernel_launchers_reject_bad_inputs_naming_the_tensor():
+    q, kv = torch.zeros(4, 2, 32), torch.zeros(6, 32)
+    idx, sink = torch.zeros(4, 3, dtype=torch.int32), torch.zeros(2)
+    with pytest.raises(ValueError, match=r"sparse_attn_fwd: the value width d_v = 24"):
+        kernel.sparse_attn_fwd(torch.zeros(4, 2, 24), torch.zeros(6, 24), idx, sink, 0.1)
+    with pytest.raises(ValueError, match=r"`topk_length` must be int32/int64 \[4\]"):
+        kernel.sparse_attn_fwd(q, kv, idx, sink, 0.1, topk_length=torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"`idx` must be \[T, K\] with T = 4"):
+        kernel.sparse_attn_fwd(q, kv, torch.zeros(5, 3, dtype=torch.int32), sink, 0.1)
+    with pytest.raises(ValueError, match=r"`q` must be contiguous"):
+        kernel.sparse_attn_fwd(torch.zeros(2, 4, 32).transpose(0, 1), kv, idx, sink, 0.1)
+    out, lse = kernel.sparse_attn_fwd(q, kv, idx, sink, 0.1)
+    with pytest.raises(ValueError, match=r"`d_out` must be torch.float32 \[4, 2, 32\]"):
+        kernel.sparse_attn_bwd(q, kv, idx, sink, 0.1, out, lse, torch.zeros(4, 2, 16))
+    with pytest.raises(ValueError, match=r"`partial_dtype` must be"):
+        kernel.sparse_attn_bwd(q, kv, idx, sink, 0.1, out, lse, out, partial_dtype="float16")
