@@ -541,6 +541,12 @@ class FusionConfig:
     use_fused_mhc: bool = _key(False, "Fused mHC pre/post/Sinkhorn kernels.")
     csa_sparse_attn_backend: str = _key("unfused", "Sparse attention of DSv4 layers.", ("unfused", "triton"))
     mqa_sparse_attn_backend: str = _key("unfused", "Sparse attention of -2 layers.", ("unfused", "triton"))
+    mqa_sparse_attn_backward_backend: str = _key(
+        "triton",
+        "Backward of the triton sparse-attention backends: the deterministic (atomic-free, byte-identical run to "
+        "run) Triton kernel; PaddleFleet's atomic cuDNN backward is not built.",
+        ("triton",),
+    )
 
 
 RESUME_AUTO = "auto"

@@ -60,6 +60,11 @@ class BackendProvider:
             inv_rope_postmix=functools.partial(inv_rope_postmix, rope=rope),
             mqa_sparse_attn=self._sparse_backend("mqa_sparse_attn_backend", reference_sparse, remap),
         )
+        uses_triton = "triton" in (config.fusion.csa_sparse_attn_backend, config.fusion.mqa_sparse_attn_backend)
+        backward = "deterministic Triton backward" if uses_triton else "unused (unfused backends: autograd)"
+        self._rows.append(ResolvedSwitch("mqa_sparse_attn_backward_backend",
+                                         config.fusion.mqa_sparse_attn_backward_backend, backward,
+                                         "the only backward built: atomic-free, byte-identical run to run"))
 
     def _sparse_backend(self, switch: str, reference: Callable, remap: Callable) -> Callable:
         """The gather-softmax reference, or the Triton sparse-attention kernel family (fwd + deterministic bwd)."""
