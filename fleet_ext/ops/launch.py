@@ -24,13 +24,34 @@ def _is_paddle(tensor: Any) -> bool:
     return type(tensor).__module__.startswith("paddle")
 
 
+def dtype_name(tensor: Any) -> str:
+    """'float32', 'bfloat16', 'int64', ... for a Paddle or torch tensor."""
+    return str(tensor.dtype).rsplit(".", 1)[-1]
+
+
+def shape_of(tensor: Any) -> list[int]:
+    return [int(n) for n in tensor.shape]
+
+
+def strides_of(tensor: Any) -> list[int]:
+    """Element strides of a Paddle (``strides`` attribute) or torch (``stride()`` method) tensor."""
+    strides = getattr(tensor, "strides", None)
+    return [int(s) for s in (strides if strides is not None and not callable(strides) else tensor.stride())]
+
+
+def detached(tensor: Any) -> Any:
+    """The same storage without autograd (Paddle refuses to DLPack-export a tensor that requires grad)."""
+    needs_grad = getattr(tensor, "stop_gradient", True) is False or getattr(tensor, "requires_grad", False)
+    return tensor.detach() if needs_grad else tensor
+
+
 def kernel_arg(tensor: Any) -> Any:
     """What a Triton kernel receives for ``tensor``: a torch view in interpreter mode, else the tensor."""
     if not capability.detect().interpreter or not _is_paddle(tensor):
         return tensor
     import torch
 
-    return torch.from_dlpack(tensor.detach())  # Paddle refuses to export a tensor that requires grad
+    return torch.from_dlpack(detached(tensor))
 
 
 def empty_like(tensor: Any, shape: Sequence[int] | None = None, dtype: Any = None) -> Any:

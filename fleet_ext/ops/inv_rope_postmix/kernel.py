@@ -33,7 +33,7 @@ from typing import Any
 import triton
 import triton.language as tl
 
-from fleet_ext.ops.launch import launch
+from fleet_ext.ops.launch import detached, launch, strides_of
 from fleet_ext.ops.rope import kernel as rope_kernel
 
 SPLIT_ALIGN = 8
@@ -60,7 +60,7 @@ def _write_trailing_kernel(
 def _rows_heads(t: Any) -> tuple[int, int, list[int]]:
     """[b, s, h, w] -> (b*s, h, [row stride, head stride, channel stride]); b and s must fold."""
     b, s, h, _ = (int(n) for n in t.shape)
-    sb, ss, sh, sd = rope_kernel._strides(t)
+    sb, ss, sh, sd = strides_of(t)
     if b > 1 and s > 1 and sb != ss * s:
         raise ValueError(f"write_trailing_: tensor of shape {list(t.shape)} with strides {[sb, ss, sh, sd]} "
                          "cannot fold its batch and sequence axes")
@@ -84,7 +84,7 @@ def write_trailing_(dst: Any, src: Any) -> Any:
     block_m = min(rope_kernel._pow2(total), max(1, rope_kernel._pow2(budget // block_w + 1) // 2))
     launch(
         _write_trailing_kernel, (triton.cdiv(total, block_m),),
-        rope_kernel._detached(dst), rope_kernel._detached(src), total, h, *d_strides, *s_strides,
+        detached(dst), detached(src), total, h, *d_strides, *s_strides,
         START=int(dst.shape[3]) - width, WIDTH=width, BLOCK_M=block_m, BLOCK_W=block_w,
     )
     return dst

@@ -41,7 +41,7 @@ from typing import Any
 import triton
 import triton.language as tl
 
-from fleet_ext.ops.launch import empty_like, launch
+from fleet_ext.ops.launch import detached, dtype_name, empty_like, launch, shape_of, strides_of
 
 INT32_LIMIT = 2**31  # largest valid flat id is B * seqlen_kv - 1, which must be <= 2**31 - 1
 INT64_LIMIT = 2**63
@@ -99,24 +99,11 @@ def _kv_idx_remap_kernel(
         tl.store(dst, remapped.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _dtype_name(t: Any) -> str:
-    return str(t.dtype).rsplit(".", 1)[-1]
-
-
-def _shape(t: Any) -> list[int]:
-    return [int(n) for n in t.shape]
-
-
-def _strides(t: Any) -> list[int]:
-    strides = getattr(t, "strides", None)  # Paddle: a list attribute; torch: the stride() method
-    return [int(s) for s in (strides if strides is not None and not callable(strides) else t.stride())]
-
-
 def check_args(local_idx: Any, seqlen_kv: Any, fn: str = "local_to_global_flat") -> tuple[int, int, int, int]:
     """The reference's validation (same messages) plus the overflow guard; returns (B, S, K, seqlen_kv)."""
     if local_idx.ndim != 3:
-        raise ValueError(f"{fn}: `local_idx` must be [B, S, K], got shape {_shape(local_idx)}")
-    dtype = _dtype_name(local_idx)
+        raise ValueError(f"{fn}: `local_idx` must be [B, S, K], got shape {shape_of(local_idx)}")
+    dtype = dtype_name(local_idx)
     if dtype not in ("int32", "int64"):
         raise ValueError(f"{fn}: `local_idx` must be int32 or int64, got {dtype}")
     if isinstance(seqlen_kv, bool) or not hasattr(seqlen_kv, "__index__"):
@@ -124,7 +111,7 @@ def check_args(local_idx: Any, seqlen_kv: Any, fn: str = "local_to_global_flat")
     seqlen_kv = int(seqlen_kv)
     if seqlen_kv < 0:
         raise ValueError(f"{fn}: `seqlen_kv` must be >= 0, got {seqlen_kv}")
-    batch, seq, width = _shape(local_idx)
+    batch, seq, width = shape_of(local_idx)
     if batch * seq >= 2**31:
         raise ValueError(f"{fn}: `local_idx` has B*S = {batch * seq} rows; at most 2**31 - 1 are supported")
     limit = INT32_LIMIT if dtype == "int32" else INT64_LIMIT
@@ -135,11 +122,6 @@ def check_args(local_idx: Any, seqlen_kv: Any, fn: str = "local_to_global_flat")
             f"(B={batch}, seqlen_kv={seqlen_kv}), beyond the {dtype} range: they would wrap around; {fix}"
         )
     return batch, seq, width, seqlen_kv
-
-
-def _detached(t: Any) -> Any:
-    """The same storage without autograd (Paddle refuses to DLPack-export a tensor that requires grad)."""
-    return t.detach() if getattr(t, "stop_gradient", True) is False or getattr(t, "requires_grad", False) else t
 
 
 def tile(width: int, itemsize: int) -> tuple[int, int]:
@@ -168,8 +150,8 @@ def local_to_global_flat(local_idx: Any, seqlen_kv: int) -> Any:
     n_rows = batch * seq
     if n_rows == 0 or width == 0:
         return out
-    itemsize = 4 if _dtype_name(local_idx) == "int32" else 8
-    s_b, s_s, s_k = _strides(local_idx)
+    itemsize = 4 if dtype_name(local_idx) == "int32" else 8
+    s_b, s_s, s_k = strides_of(local_idx)
     n_flat, sk = n_rows * width, seq * width
     block = flat_block(itemsize)
     contiguous = (width == 1 or s_k == 1) and (seq == 1 or s_s == width) and (batch == 1 or s_b == sk)
@@ -183,7 +165,7 @@ def local_to_global_flat(local_idx: Any, seqlen_kv: int) -> Any:
         warps = 8
     launch(
         _kv_idx_remap_kernel, grid,
-        _detached(local_idx), out, seqlen_kv,
+        detached(local_idx), out, seqlen_kv,
         n_rows, seq, width, n_flat, sk,
         s_b, s_s, s_k,
         BLOCK_R=block_r, BLOCK_K=block_k,

@@ -69,7 +69,7 @@ from typing import Any
 import triton
 import triton.language as tl
 
-from fleet_ext.ops.launch import empty_like, launch
+from fleet_ext.ops.launch import detached, dtype_name, empty_like, launch, shape_of, strides_of
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 PHASE_STATS, PHASE_APPLY, PHASE_FUSED = 0, 1, 2
@@ -511,24 +511,6 @@ def _q_rms_norm_bwd_kernel(
 # ------------------------------------------------------------------------------------------------------
 # Host launchers
 # ------------------------------------------------------------------------------------------------------
-def _dtype_name(t: Any) -> str:
-    return str(t.dtype).rsplit(".", 1)[-1]
-
-
-def _shape(t: Any) -> list[int]:
-    return [int(n) for n in t.shape]
-
-
-def _strides(t: Any) -> list[int]:
-    strides = getattr(t, "strides", None)  # Paddle: a list attribute; torch: the stride() method
-    return [int(s) for s in (strides if strides is not None and not callable(strides) else t.stride())]
-
-
-def _detached(t: Any) -> Any:
-    """The same storage without autograd (Paddle refuses to DLPack-export a tensor that requires grad)."""
-    return t.detach() if getattr(t, "stop_gradient", True) is False or getattr(t, "requires_grad", False) else t
-
-
 def _float32_of(t: Any) -> Any:
     """fp32 in the framework of ``t`` (imported lazily: this module imports no framework)."""
     if type(t).__module__.startswith("paddle"):
@@ -546,17 +528,17 @@ def is_interpreted() -> bool:
 
 def check_q(q: Any, name: str = "q", fn: str = "q_rms_norm") -> None:
     if q.ndim != 4:
-        raise ValueError(f"{fn}: `{name}` must be [b, s, h, d] float, got shape {_shape(q)}")
-    if _dtype_name(q) not in FLOAT_DTYPES:
+        raise ValueError(f"{fn}: `{name}` must be [b, s, h, d] float, got shape {shape_of(q)}")
+    if dtype_name(q) not in FLOAT_DTYPES:
         raise ValueError(f"{fn}: `{name}` must be [b, s, h, d] float ({', '.join(FLOAT_DTYPES)}), "
-                         f"got {_dtype_name(q)}")
+                         f"got {dtype_name(q)}")
 
 
 def default_order(q: Any) -> Order:
     """The order of the eager path this platform replaces: Paddle CPU when interpreted, torch CUDA else."""
     if is_interpreted():
         return paddle_cpu_order()
-    b, s, h, d = _shape(q)
+    b, s, h, d = shape_of(q)
     return torch_cuda_order(b * s * h, d)
 
 
@@ -604,19 +586,19 @@ def _config(d: int, order: Order, backward: bool = False, phase: int = PHASE_FUS
 
 
 def _fwd(q: Any, y: Any, stat: Any, phase: int, order: Order, eps: float) -> None:
-    b, s, h, d = _shape(q)
+    b, s, h, d = shape_of(q)
     rows = b * s * h
     if rows == 0 or d == 0:
         return
     cfg = _config(d, order, phase=phase)
-    s_b, s_s, s_h, s_d = _strides(q)
-    step = _row_stride(_shape(q), _strides(q))
+    s_b, s_s, s_h, s_d = strides_of(q)
+    step = _row_stride(shape_of(q), strides_of(q))
     launch(
         _q_rms_norm_fwd_kernel, (triton.cdiv(rows, cfg["BLOCK_R"]),),
-        _detached(q), _detached(y), _detached(stat),
+        detached(q), detached(y), detached(stat),
         rows, s, h, s_b, s_s, s_h if step is None else step, s_d,
         float(order.mean_factor), float(eps),
-        D=d, PHASE=phase, FLAVOR=order.flavor, DOWNCAST=_dtype_name(q) != "float32",
+        D=d, PHASE=phase, FLAVOR=order.flavor, DOWNCAST=dtype_name(q) != "float32",
         FLAT_ROWS=step is not None, enable_fp_fusion=False, **cfg,
     )
 
@@ -625,7 +607,7 @@ def q_rms_norm_stats(q: Any, order: Order | None = None) -> Any:
     """``mean(q^2, -1)`` as a new contiguous fp32 [b, s, h, 1] tensor, summed in ``order``."""
     check_q(q)
     order = order or default_order(q)
-    b, s, h, _ = _shape(q)
+    b, s, h, _ = shape_of(q)
     ms = empty_like(q, shape=[b, s, h, 1], dtype=_float32_of(q))
     _fwd(q, q, ms, PHASE_STATS, order, 0.0)
     return ms
@@ -634,9 +616,9 @@ def q_rms_norm_stats(q: Any, order: Order | None = None) -> Any:
 def q_rms_norm_apply(q: Any, r: Any) -> Any:
     """``q * r`` (r fp32 [b, s, h, 1], contiguous) rounded to q's dtype, as a new contiguous tensor."""
     check_q(q)
-    b, s, h, _ = _shape(q)
-    if _shape(r) != [b, s, h, 1] or _dtype_name(r) != "float32":
-        raise ValueError(f"q_rms_norm: `r` must be float32 [{b}, {s}, {h}, 1], got {_dtype_name(r)} {_shape(r)}")
+    b, s, h, _ = shape_of(q)
+    if shape_of(r) != [b, s, h, 1] or dtype_name(r) != "float32":
+        raise ValueError(f"q_rms_norm: `r` must be float32 [{b}, {s}, {h}, 1], got {dtype_name(r)} {shape_of(r)}")
     y = empty_like(q)
     _fwd(q, y, _contiguous(r), PHASE_APPLY, paddle_cpu_order(), 0.0)
     return y
@@ -646,7 +628,7 @@ def q_rms_norm_fused(q: Any, eps: float, order: Order | None = None) -> tuple[An
     """One kernel: ``(y, r)`` with ``r = rsqrt(mean(q^2) + eps)`` fp32 [b, s, h, 1] and ``y = q * r``."""
     check_q(q)
     order = order or default_order(q)
-    b, s, h, _ = _shape(q)
+    b, s, h, _ = shape_of(q)
     y = empty_like(q)
     r = empty_like(q, shape=[b, s, h, 1], dtype=_float32_of(q))
     _fwd(q, y, r, PHASE_FUSED, order, eps)
@@ -657,29 +639,29 @@ def q_rms_norm_bwd(dy: Any, q: Any, r: Any, order: Order | None = None) -> Any:
     """The gradient for ``q`` given ``dy`` (like q, any strides) and the forward's ``r``; a new contiguous tensor."""
     check_q(q)
     check_q(dy, "dy", "q_rms_norm (backward)")
-    b, s, h, d = _shape(q)
-    if _shape(dy) != [b, s, h, d]:
-        raise ValueError(f"q_rms_norm (backward): `dy` must have q's shape {[b, s, h, d]}, got {_shape(dy)}")
-    if _shape(r) != [b, s, h, 1] or _dtype_name(r) != "float32":
+    b, s, h, d = shape_of(q)
+    if shape_of(dy) != [b, s, h, d]:
+        raise ValueError(f"q_rms_norm (backward): `dy` must have q's shape {[b, s, h, d]}, got {shape_of(dy)}")
+    if shape_of(r) != [b, s, h, 1] or dtype_name(r) != "float32":
         raise ValueError(f"q_rms_norm (backward): `r` must be float32 [{b}, {s}, {h}, 1], "
-                         f"got {_dtype_name(r)} {_shape(r)}")
+                         f"got {dtype_name(r)} {shape_of(r)}")
     order = order or default_order(q)
     dx = empty_like(q)
     rows = b * s * h
     if rows == 0 or d == 0:
         return dx
     cfg = _config(d, order, backward=True)
-    x_strides, g_strides = _strides(q), _strides(dy)
-    x_step, g_step = _row_stride(_shape(q), x_strides), _row_stride(_shape(dy), g_strides)
+    x_strides, g_strides = strides_of(q), strides_of(dy)
+    x_step, g_step = _row_stride(shape_of(q), x_strides), _row_stride(shape_of(dy), g_strides)
     flat = x_step is not None and g_step is not None
     if flat:
         x_strides[2], g_strides[2] = x_step, g_step
     launch(
         _q_rms_norm_bwd_kernel, (triton.cdiv(rows, cfg["BLOCK_R"]),),
-        _detached(q), _detached(dy), _detached(_contiguous(r)), dx,
+        detached(q), detached(dy), detached(_contiguous(r)), dx,
         rows, s, h, *x_strides, *g_strides,
         float(order.inv_d),
-        D=d, FLAVOR=order.flavor, DOWNCAST=_dtype_name(dx) != "float32",
+        D=d, FLAVOR=order.flavor, DOWNCAST=dtype_name(dx) != "float32",
         FLAT_ROWS=flat, enable_fp_fusion=False, **cfg,
     )
     return dx

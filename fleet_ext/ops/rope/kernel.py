@@ -29,7 +29,7 @@ from typing import Any
 import triton
 import triton.language as tl
 
-from fleet_ext.ops.launch import empty_like, launch
+from fleet_ext.ops.launch import detached, dtype_name, empty_like, launch, shape_of, strides_of
 
 _FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
@@ -144,24 +144,6 @@ def _rope_kernel(
 USE_PTX = type(_rope_kernel).__name__ != "InterpretedFunction"
 
 
-def _strides(t: Any) -> list[int]:
-    strides = getattr(t, "strides", None)  # Paddle
-    return list(strides if strides is not None and not callable(strides) else t.stride())
-
-
-def _detached(t: Any) -> Any:
-    """The same storage without autograd (Paddle refuses to DLPack-export a tensor that requires grad)."""
-    return t.detach() if getattr(t, "stop_gradient", True) is False or getattr(t, "requires_grad", False) else t
-
-
-def _dtype_name(t: Any) -> str:
-    return str(t.dtype).rsplit(".", 1)[-1]
-
-
-def _shape(t: Any) -> list[int]:
-    return [int(n) for n in t.shape]
-
-
 def check_args(x: Any, cos: Any, sin: Any, fn: str = "apply_partial_rope") -> int:
     """The reference's validation (same messages: shapes print as the framework prints them), plus dtype limits.
 
@@ -176,28 +158,28 @@ def check_args(x: Any, cos: Any, sin: Any, fn: str = "apply_partial_rope") -> in
     rope_dim = 2 * half
     if x.shape[-1] < rope_dim:
         raise ValueError(f"{fn}: `x` last dim {x.shape[-1]} is smaller than the rope width {rope_dim}")
-    if _shape(cos) != _shape(sin):
+    if shape_of(cos) != shape_of(sin):
         raise ValueError(f"{fn}: `cos` {cos.shape} and `sin` {sin.shape} differ")
     if x.shape[1] != cos.shape[-2]:
         raise ValueError(f"{fn}: `x` has {x.shape[1]} positions, `cos` has {cos.shape[-2]}")
-    if _dtype_name(x) not in _FLOAT_DTYPES:
-        raise ValueError(f"{fn}: `x` must be a floating tensor ({', '.join(_FLOAT_DTYPES)}), got {_dtype_name(x)}")
+    if dtype_name(x) not in _FLOAT_DTYPES:
+        raise ValueError(f"{fn}: `x` must be a floating tensor ({', '.join(_FLOAT_DTYPES)}), got {dtype_name(x)}")
     for name, table in (("cos", cos), ("sin", sin)):
-        if _dtype_name(table) != "float32":
-            raise ValueError(f"{fn}: `{name}` must be float32 (the rotation runs in fp32), got {_dtype_name(table)}")
+        if dtype_name(table) != "float32":
+            raise ValueError(f"{fn}: `{name}` must be float32 (the rotation runs in fp32), got {dtype_name(table)}")
     return half
 
 
 def _geometry(t: Any) -> tuple[int, int, int, int, list[int]]:
     """(b, s, h, d, [sb, ss, sh, sd]) with h = 1 for [b, s, d]."""
-    shape, strides = _shape(t), _strides(t)
+    shape, strides = shape_of(t), strides_of(t)
     if len(shape) == 4:
         return shape[0], shape[1], shape[2], shape[3], strides
     return shape[0], shape[1], 1, shape[2], [strides[0], strides[1], 0, strides[2]]
 
 
 def _table_strides(table: Any, batch: int) -> list[int]:
-    strides = _strides(table)
+    strides = strides_of(table)
     if table.ndim == 2:
         return [0, strides[0], strides[1]]
     return [strides[0] if table.shape[0] == batch and batch > 1 else 0, strides[1], strides[2]]
@@ -244,11 +226,11 @@ def _launch(x: Any, out: Any, cos: Any, sin: Any, *, copy_start: int, shift: int
     plan = _plan(total, d, half, copy_start, USE_PTX)
     launch(
         _rope_kernel, (triton.cdiv(total, plan["BLOCK_M"]),),
-        _detached(x), _detached(out), _detached(cos), _detached(sin),
+        detached(x), detached(out), detached(cos), detached(sin),
         total, s, h,
         *x_strides, *o_strides, *_table_strides(cos, b), *_table_strides(sin, b),
         COPY_START=copy_start, NOPE=d - 2 * half, SHIFT=shift, HALF=half, **plan,
-        INVERSE=bool(inverse), ZERO_FIX=bool(zero_fix), DOWNCAST=_dtype_name(out) in ("bfloat16", "float16"),
+        INVERSE=bool(inverse), ZERO_FIX=bool(zero_fix), DOWNCAST=dtype_name(out) in ("bfloat16", "float16"),
         USE_PTX=USE_PTX, num_warps=4,
     )
 
@@ -289,6 +271,6 @@ def rope_tail(x: Any, cos: Any, sin: Any, start: int, inverse: bool = False) -> 
     nope = d - 2 * int(cos.shape[-1])
     if not 0 <= start <= nope:
         raise ValueError(f"rope_tail: `start` must be in [0, {nope}] (the pass-through width), got {start}")
-    out = empty_like(x, shape=_shape(x)[:-1] + [d - start])
+    out = empty_like(x, shape=shape_of(x)[:-1] + [d - start])
     _launch(x, out, cos, sin, copy_start=start, shift=start, inverse=inverse, zero_fix=False)
     return out

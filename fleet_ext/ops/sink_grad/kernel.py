@@ -22,7 +22,7 @@ from typing import Any
 import triton
 import triton.language as tl
 
-from fleet_ext.ops.launch import empty_like, launch
+from fleet_ext.ops.launch import detached, dtype_name, empty_like, launch, shape_of, strides_of
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -83,24 +83,6 @@ def _sink_grad_reduce_kernel(part_ptr, out_ptr, H, P: tl.constexpr, BLOCK_P: tl.
     tl.store(out_ptr + heads, tl.sum(acc, axis=0), mask=h_mask)
 
 
-def _dtype_name(t: Any) -> str:
-    return str(t.dtype).rsplit(".", 1)[-1]
-
-
-def _shape(t: Any) -> list[int]:
-    return [int(n) for n in t.shape]
-
-
-def _strides(t: Any) -> list[int]:
-    strides = getattr(t, "strides", None)  # Paddle: a list attribute; torch: the stride() method
-    return [int(s) for s in (strides if strides is not None and not callable(strides) else t.stride())]
-
-
-def _detached(t: Any) -> Any:
-    """The same storage without autograd (Paddle refuses to DLPack-export a tensor that requires grad)."""
-    return t.detach() if getattr(t, "stop_gradient", True) is False or getattr(t, "requires_grad", False) else t
-
-
 def is_interpreted() -> bool:
     return type(_sink_grad_partial_kernel).__name__ == "InterpretedFunction"
 
@@ -109,22 +91,22 @@ def check_args(d_out: Any, out: Any, lse: Any, sink: Any, d_lse: Any = None, fn:
     """Shapes and dtypes; errors name the tensor."""
     ref = lse if out is None else out
     if out is not None:
-        if out.ndim != 4 or _dtype_name(out) not in FLOAT_DTYPES:
-            raise ValueError(f"{fn}: `out` must be [B, S, H, d] float, got {_dtype_name(out)} {_shape(out)}")
-        if d_out is None or _shape(d_out) != _shape(out) or _dtype_name(d_out) not in FLOAT_DTYPES:
-            got = "None" if d_out is None else f"{_dtype_name(d_out)} {_shape(d_out)}"
-            raise ValueError(f"{fn}: `d_out` must be float with out's shape {_shape(out)}, got {got}")
-        bsh = _shape(out)[:3]
+        if out.ndim != 4 or dtype_name(out) not in FLOAT_DTYPES:
+            raise ValueError(f"{fn}: `out` must be [B, S, H, d] float, got {dtype_name(out)} {shape_of(out)}")
+        if d_out is None or shape_of(d_out) != shape_of(out) or dtype_name(d_out) not in FLOAT_DTYPES:
+            got = "None" if d_out is None else f"{dtype_name(d_out)} {shape_of(d_out)}"
+            raise ValueError(f"{fn}: `d_out` must be float with out's shape {shape_of(out)}, got {got}")
+        bsh = shape_of(out)[:3]
     else:
         if lse is None or lse.ndim != 3:
-            raise ValueError(f"{fn}: `lse` must be fp32 [B, S, H], got {None if lse is None else _shape(lse)}")
-        bsh = _shape(ref)
-    if _shape(lse) != bsh or _dtype_name(lse) != "float32":
-        raise ValueError(f"{fn}: `lse` must be float32 {bsh}, got {_dtype_name(lse)} {_shape(lse)}")
-    if _shape(sink) != [bsh[2]] or _dtype_name(sink) != "float32":
-        raise ValueError(f"{fn}: `sink` must be float32 [{bsh[2]}], got {_dtype_name(sink)} {_shape(sink)}")
-    if d_lse is not None and (_shape(d_lse) != bsh or _dtype_name(d_lse) != "float32"):
-        raise ValueError(f"{fn}: `d_lse` must be float32 {bsh}, got {_dtype_name(d_lse)} {_shape(d_lse)}")
+            raise ValueError(f"{fn}: `lse` must be fp32 [B, S, H], got {None if lse is None else shape_of(lse)}")
+        bsh = shape_of(ref)
+    if shape_of(lse) != bsh or dtype_name(lse) != "float32":
+        raise ValueError(f"{fn}: `lse` must be float32 {bsh}, got {dtype_name(lse)} {shape_of(lse)}")
+    if shape_of(sink) != [bsh[2]] or dtype_name(sink) != "float32":
+        raise ValueError(f"{fn}: `sink` must be float32 [{bsh[2]}], got {dtype_name(sink)} {shape_of(sink)}")
+    if d_lse is not None and (shape_of(d_lse) != bsh or dtype_name(d_lse) != "float32"):
+        raise ValueError(f"{fn}: `d_lse` must be float32 {bsh}, got {dtype_name(d_lse)} {shape_of(d_lse)}")
 
 
 def _pow2(n: int) -> int:
@@ -146,8 +128,8 @@ def config(tokens: int, heads: int, dim: int) -> dict:
 def sink_grad(d_out: Any, out: Any, lse: Any, sink: Any, d_lse: Any = None) -> Any:
     """``d_sink`` fp32 [H] (a new tensor like ``sink``); ``d_out``/``out`` may be None when only ``d_lse`` flows."""
     check_args(d_out, out, lse, sink, d_lse)
-    batch, seq, heads = _shape(lse)
-    dim = _shape(out)[3] if out is not None else 1
+    batch, seq, heads = shape_of(lse)
+    dim = shape_of(out)[3] if out is not None else 1
     tokens = batch * seq
     cfg = config(tokens, heads, dim)
     n_part = max(1, triton.cdiv(tokens, cfg["TOK"]))
@@ -157,15 +139,15 @@ def sink_grad(d_out: Any, out: Any, lse: Any, sink: Any, d_lse: Any = None) -> A
         return d_sink
     has_do = out is not None
     do_t, o_t = (d_out, out) if has_do else (lse, lse)  # placeholders, never read
-    do_s = _strides(d_out) if has_do else [0, 0, 0, 0]
-    o_s = _strides(out) if has_do else [0, 0, 0, 0]
+    do_s = strides_of(d_out) if has_do else [0, 0, 0, 0]
+    o_s = strides_of(out) if has_do else [0, 0, 0, 0]
     dl_t = d_lse if d_lse is not None else lse
-    dl_s = _strides(d_lse) if d_lse is not None else [0, 0, 0]
+    dl_s = strides_of(d_lse) if d_lse is not None else [0, 0, 0]
     launch(
         _sink_grad_partial_kernel, (n_part, triton.cdiv(heads, cfg["BLOCK_H"])),
-        _detached(do_t), _detached(o_t), _detached(lse), _detached(dl_t), _detached(sink), partials,
+        detached(do_t), detached(o_t), detached(lse), detached(dl_t), detached(sink), partials,
         tokens, seq, heads,
-        *do_s, *o_s, *_strides(lse), *dl_s,
+        *do_s, *o_s, *strides_of(lse), *dl_s,
         D=dim, TOK=cfg["TOK"], BLOCK_T=cfg["BLOCK_T"], BLOCK_H=cfg["BLOCK_H"], BLOCK_D=cfg["BLOCK_D"],
         HAS_DO=has_do, HAS_DLSE=d_lse is not None, num_warps=cfg["num_warps"],
     )
