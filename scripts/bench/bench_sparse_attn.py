@@ -2,7 +2,7 @@
 
 Run on the H200 (torch + Triton, no Paddle), from the repository root:
 
-    python scripts/bench/bench_sparse_attn.py [--out DIR] [--shapes NAME ...] [--baselines] [--variants]
+    python scripts/bench/bench_sparse_attn.py [--out DIR] [--shapes NAME ...] [--compare] [--baselines] [--variants]
 
 Shapes (one sequence, B = 1; the kernels see the flat layout T = B * S):
 - ``v32_s{4096,16384}_h{64,128}``: DeepSeek-V3.2 DSA latent MQA, d_qk 576 / d_v 512, 2048 index slots per
@@ -15,7 +15,13 @@ Shapes (one sequence, B = 1; the kernels see the flat layout T = B * S):
 
 FLOPs (dsv4_math.md §8), over *valid* (query, index) pairs only (the -1 slots are not counted):
 fwd 2·H·(d_qk + d_v) per pair, bwd 2·H·(2·d_v + 3·d_qk) per pair (TileLang's accounting).
-Times are medians of ``triton.testing.do_bench``. Baselines: the unfused torch eager gather-softmax
+Times are medians of ``triton.testing.do_bench``. The default launchers derive each row's trailing bound
+(last valid slot + 1, ``kernel.row_bound``) inside every call, so ``fwd_ms`` / ``bwd_ms`` include it.
+``--compare`` also times, on the same inputs: the forward and backward without the bound
+(``derive_bound=False``), the backward with the launch defaults before 2026-11-30's switch (dq BLOCK_N 32 /
+2 stages, dkv-contribution BLOCK_M 64 / 4 warps) and no bound (the "before" configuration), the backward
+with bf16 dkv contributions, ``row_bound`` alone, and checks that the bound changes no byte of out, lse,
+dq, dkv, d_sink. Baselines: the unfused torch eager gather-softmax
 (forward, and forward + autograd backward; only where it fits in memory) and
 ``torch.nn.attention.flex_attention`` with a block mask built from the index table and the sink applied
 exactly afterwards (``out * sigmoid(lse - sink)``, ``lse' = logaddexp(lse, sink)``: flex has no
@@ -211,6 +217,8 @@ def bench_shape(shape: dict, args, rows: list) -> None:
            "n_kv": n_kv, "valid_pairs": pairs, "valid_frac": round(pairs / idx.numel(), 4),
            "fwd_gflop": round(fl["fwd"] / 1e9, 1), "bwd_gflop": round(fl["bwd"] / 1e9, 1)}
 
+    bound = kernel.row_bound(idx, n_kv)
+    row["executed_frac"] = round(int(bound.sum().item()) / idx.numel(), 4)  # slots the bounded kernels walk
     out, lse = kernel.sparse_attn_fwd(q, kv, idx, sink, scale, d_v=d_v)
     row["fwd_ms"] = median_ms(lambda: kernel.sparse_attn_fwd(q, kv, idx, sink, scale, d_v=d_v))
     row["fwd_tflops"] = fl["fwd"] / row["fwd_ms"] / 1e9
@@ -223,12 +231,37 @@ def bench_shape(shape: dict, args, rows: list) -> None:
     g2 = bwd()
     torch.cuda.synchronize()
     row["bwd_bitwise_repeat"] = all(torch.equal(a, b) for a, b in zip(g1, g2))
-    del g1, g2
+    del g2
+    if args.compare:
+        out_f, lse_f = kernel.sparse_attn_fwd(q, kv, idx, sink, scale, d_v=d_v, derive_bound=False)
+        g_f = kernel.sparse_attn_bwd(q, kv, idx, sink, scale, out_f, lse_f, d_out, d_v=d_v, derive_bound=False)
+        torch.cuda.synchronize()
+        row["bound_bitwise"] = all(torch.equal(a, b) for a, b in zip((out, lse, *g1), (out_f, lse_f, *g_f)))
+        del out_f, lse_f, g_f
+    del g1
     row["bwd_ms"] = median_ms(bwd, warmup=10, rep=60)
     row["bwd_tflops"] = fl["bwd"] / row["bwd_ms"] / 1e9
-    if args.variants:
+    if args.compare:
+        row["bound_us"] = median_ms(lambda: kernel.row_bound(idx, n_kv)) * 1e3
+        row["fwd_nobound_ms"] = median_ms(
+            lambda: kernel.sparse_attn_fwd(q, kv, idx, sink, scale, d_v=d_v, derive_bound=False))
+        row["fwd_nobound_tflops"] = fl["fwd"] / row["fwd_nobound_ms"] / 1e9
+        row["bwd_nobound_ms"] = median_ms(lambda: bwd(derive_bound=False), warmup=10, rep=60)
+        row["bwd_nobound_tflops"] = fl["bwd"] / row["bwd_nobound_ms"] / 1e9
+        kernel.OVERRIDES["dq"] = [{"BLOCK_N": 32, "num_warps": 8, "num_stages": 2}]
+        kernel.OVERRIDES["partial"] = [{"BLOCK_M": 64, "num_warps": 4, "num_stages": 2}]
+        try:
+            row["bwd_olddefaults_nobound_ms"] = median_ms(lambda: bwd(derive_bound=False), warmup=10, rep=60)
+            row["bwd_olddefaults_nobound_tflops"] = fl["bwd"] / row["bwd_olddefaults_nobound_ms"] / 1e9
+        finally:
+            kernel.OVERRIDES.pop("dq")
+            kernel.OVERRIDES.pop("partial")
+    if args.variants or args.compare:
         row["bwd_bf16part_ms"] = median_ms(lambda: bwd(partial_dtype="bfloat16"), warmup=10, rep=60)
         row["bwd_bf16part_tflops"] = fl["bwd"] / row["bwd_bf16part_ms"] / 1e9
+    if args.compare:
+        row["bwd_breakdown_ms"] = kernel_breakdown(bwd)
+    if args.variants:
         row["bwd_16g_ms"] = median_ms(lambda: bwd(max_partial_bytes=16 << 30), warmup=10, rep=60)
         row["bwd_breakdown_ms"] = kernel_breakdown(bwd)
         row["fwd_variants_ms"] = {}
@@ -263,7 +296,10 @@ def bench_shape(shape: dict, args, rows: list) -> None:
                 row["partial_variants_ms"][label] = f"{type(exc).__name__}: {str(exc)[:80]}"
             kernel.OVERRIDES.pop("partial")
     print(f"  {shape['name']}: fwd {row['fwd_ms']:.3f} ms {row['fwd_tflops']:.0f} TF/s | "
-          f"bwd {row['bwd_ms']:.2f} ms {row['bwd_tflops']:.0f} TF/s | bitwise {row['bwd_bitwise_repeat']}",
+          f"bwd {row['bwd_ms']:.2f} ms {row['bwd_tflops']:.0f} TF/s | bitwise {row['bwd_bitwise_repeat']} | "
+          + " ".join(f"{k} {row[k]:.3f}" if isinstance(row[k], float) else f"{k} {row[k]}"
+                     for k in ("fwd_nobound_ms", "bwd_nobound_ms", "bwd_olddefaults_nobound_ms", "bwd_bf16part_ms",
+                               "bound_us", "bound_bitwise") if k in row),
           flush=True)
 
     if args.baselines:
@@ -314,6 +350,9 @@ def main() -> None:
         "v4csa_s4096", "v4csa_s16384", "v4hca_s4096", "v4hca_s16384"])
     parser.add_argument("--baselines", action="store_true", help="eager and flex_attention baselines")
     parser.add_argument("--variants", action="store_true", help="time launch-configuration variants")
+    parser.add_argument("--compare", action="store_true",
+                        help="also time without the trailing bound, with the old backward defaults, and with bf16 "
+                             "dkv contributions; check the bound changes no byte")
     parser.add_argument("--eager-max-seq", type=int, default=4096)
     parser.add_argument("--flex-max-seq", type=int, default=4096)
     args = parser.parse_args()
@@ -324,6 +363,8 @@ def main() -> None:
               f"torch {torch.__version__}, triton {triton.__version__}; bf16 8192^3 matmul {mm_tflops:.0f} TFLOP/s")
     print(header, flush=True)
     rows: list[dict] = []
+    os.makedirs(args.out, exist_ok=True)
+    command = "python scripts/bench/bench_sparse_attn.py " + " ".join(sys.argv[1:])
     for name in args.shapes:
         try:
             bench_shape(make_shape(name), args, rows)
@@ -331,10 +372,9 @@ def main() -> None:
             traceback.print_exc()
             rows.append({"shape": name, "error": traceback.format_exc(limit=2)[-300:]})
             torch.cuda.empty_cache()
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_sparse_attn.json"), "w") as f:
-        json.dump({"device": header, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "anchors": ANCHORS,
-                   "rows": rows}, f, indent=1, default=str)
+        with open(os.path.join(args.out, "bench_sparse_attn.json"), "w") as f:  # after each shape: a cut run keeps rows
+            json.dump({"command": command, "device": header, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                       "anchors": ANCHORS, "rows": rows}, f, indent=1, default=str)
 
     print("\nshape             K     valid  fwd ms  fwd TF/s  bwd ms   bwd TF/s  bitwise  eager fwd TF/s"
           "  flex fwd TF/s")
@@ -346,6 +386,21 @@ def main() -> None:
         flex = f"{r['flex_fwd_tflops']:.0f}" if "flex_fwd_tflops" in r else ("fail" if "flex" in r else "-")
         print(f"{r['shape']:16s} {r['K']:5d} {r['valid_frac']:6.3f} {r['fwd_ms']:7.3f} {r['fwd_tflops']:8.0f} "
               f"{r['bwd_ms']:8.2f} {r['bwd_tflops']:9.0f}  {str(r['bwd_bitwise_repeat']):7s} {eager:>14s} {flex:>14s}")
+    if args.compare:
+        print("\n[compare] ms (TFLOP/s over valid pairs); nobound = derive_bound=False; old = dq bn32s2 + partial "
+              "bm64w4 defaults, no bound")
+        print("shape            valid  exec  fwd nobound     fwd bound     bwd old        bwd nobound    bwd bound"
+              "      bwd bound bf16  bound_us  identical")
+        for r in rows:
+            if "error" in r or "bwd_olddefaults_nobound_ms" not in r:
+                continue
+
+            def cell(key, r=r):
+                return f"{r[key + '_ms']:6.2f} ({r[key + '_tflops']:3.0f})"
+
+            print(f"{r['shape']:16s} {r['valid_frac']:5.3f} {r['executed_frac']:5.3f}  {cell('fwd_nobound')}  "
+                  f"{cell('fwd')}  {cell('bwd_olddefaults_nobound')}  {cell('bwd_nobound')}  {cell('bwd')}  "
+                  f"{cell('bwd_bf16part')}  {r['bound_us']:8.1f}  {r['bound_bitwise']}")
     print(f"anchors (TFLOP/s): {ANCHORS}; goals: fwd >= 450, deterministic bwd >= 150 at the V3.2 shape")
 
 

@@ -6,6 +6,9 @@
   within and across queries (dkv accumulation), d_qk != d_v, partial head tiles, ``topk_length``, the
   query-chunked backward, out-of-range ids skipped.
 - Determinism: two backward runs give byte-identical dq, dkv, d_sink.
+- Trailing bound (``kernel.row_bound``, derived by default): its values against NumPy, and results with it
+  byte-identical to results without it (``derive_bound=False``), on rows with trailing -1 runs longer than
+  a slot block, interior -1 holes, out-of-range ids and ``topk_length``; still equal to the oracle.
 - ``function.sparse_attention_triton`` (Paddle tensors, PyLayer) against the Paddle reference
   ``reference.sparse_attention_with_sink`` (forward and autograd), including widths that need padding.
 - Bad inputs raise ValueError naming the tensor.
@@ -104,12 +107,13 @@ def assert_close(name, got, ref, rel=REL):
     assert err <= rel, f"{name}: relative error {err:.2e} > {rel:.0e}"
 
 
-def run_kernels(q, kv, idx, sink, scale, d_v, d_out, d_lse, topk_length=None, **bwd_kw):
+def run_kernels(q, kv, idx, sink, scale, d_v, d_out, d_lse, topk_length=None, derive_bound=True, **bwd_kw):
     t = [torch.from_numpy(np.ascontiguousarray(a)) for a in (q, kv, idx, sink, d_out, d_lse)]
     tl_t = None if topk_length is None else torch.from_numpy(topk_length)
-    out, lse = kernel.sparse_attn_fwd(t[0], t[1], t[2], t[3], scale, d_v=d_v, topk_length=tl_t)
+    out, lse = kernel.sparse_attn_fwd(t[0], t[1], t[2], t[3], scale, d_v=d_v, topk_length=tl_t,
+                                      derive_bound=derive_bound)
     grads = kernel.sparse_attn_bwd(t[0], t[1], t[2], t[3], scale, out, lse, t[4], t[5], d_v=d_v,
-                                   topk_length=tl_t, **bwd_kw)
+                                   topk_length=tl_t, derive_bound=derive_bound, **bwd_kw)
     return [x.numpy() for x in (out, lse, *grads)]
 
 
@@ -159,6 +163,58 @@ def test_backward_is_bitwise_deterministic():
         assert a.tobytes() == b.tobytes(), f"{name} differs between two runs"
 
 
+def _bound_case(seed, num_t=12, heads=5, d_qk=48, d_v=32, n_kv=9, width=45):
+    """Rows ending in -1 runs of every length (0 .. > 2 slot blocks of 16), interior holes, bad ids."""
+    q, kv, idx, sink, d_out, d_lse = make_case(seed, num_t, heads, d_qk, d_v, n_kv, width, empty_rows=1,
+                                               out_of_range=True)
+    rng = np.random.default_rng(seed + 1)
+    ends = [0, 1, 3, 16, 17, 30, 33, 44, 45, 45, 8, 40]  # last valid slot + 1 per row (0: an empty row)
+    for t, end in enumerate(ends):
+        idx[t] = -1
+        if end:
+            idx[t, :end] = rng.integers(0, n_kv, end)
+            holes = rng.choice(end - 1, min(end - 1, 3), replace=False) if end > 1 else []
+            idx[t, holes] = -1  # interior holes stay masked
+            idx[t, end - 1] = rng.integers(0, n_kv)  # the last valid slot
+    idx[5, 40:] = n_kv + 2  # out-of-range ids past the last valid slot: not valid, past the bound
+    idx[7, 20] = -9  # an interior negative id that is not -1
+    return q, kv, idx, sink, d_out, d_lse, ends
+
+
+def test_row_bound_matches_numpy():
+    n_kv = 9
+    *_, idx, _, _, _, ends = _bound_case(21)
+    got = kernel.row_bound(torch.from_numpy(idx), n_kv).numpy()
+    assert got.dtype == np.int32
+    assert got.tolist() == ends
+    topk_length = np.array([5, 0, 2, 16, 100, -3, 20, 44, 45, 7, 8, 39], dtype=np.int64)
+    got = kernel.row_bound(torch.from_numpy(idx.astype(np.int64)), n_kv, torch.from_numpy(topk_length)).numpy()
+    for t in range(idx.shape[0]):
+        lim = max(0, min(int(topk_length[t]), idx.shape[1]))
+        valid = [k for k in range(lim) if 0 <= idx[t, k] < n_kv]
+        assert got[t] == (valid[-1] + 1 if valid else 0), t
+    assert kernel.row_bound(torch.zeros((0, 4), dtype=torch.int32), 3).shape == (0,)
+    with pytest.raises(ValueError, match=r"row_bound: `idx` must be"):
+        kernel.row_bound(torch.zeros(4), 3)
+
+
+@pytest.mark.parametrize("with_topk_length", [False, True], ids=["no_topk_length", "topk_length"])
+def test_derived_bound_is_byte_identical_and_exact(with_topk_length):
+    q, kv, idx, sink, d_out, d_lse, ends = _bound_case(22 + with_topk_length)
+    topk_length = np.array([3, 1, 45, 9, 60, 0, 25, 44, 12, 45, 8, 40], dtype=np.int32) if with_topk_length else None
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    kw = {"topk_length": topk_length, "max_partial_bytes": 40000}  # several query chunks
+    before = launch.LAUNCH_COUNTS["_row_bound_kernel"]
+    bounded = run_kernels(q, kv, idx, sink, scale, 32, d_out, d_lse, **kw)
+    assert launch.LAUNCH_COUNTS["_row_bound_kernel"] == before + 2, "forward and backward each derive the bound"
+    full = run_kernels(q, kv, idx, sink, scale, 32, d_out, d_lse, derive_bound=False, **kw)
+    for name, a, b in zip(("out", "lse", "dq", "dkv", "d_sink"), bounded, full):
+        assert a.tobytes() == b.tobytes(), f"{name}: the derived bound changed the result"
+    ref = oracle(q, kv, idx, sink, scale, 32, d_out, d_lse, topk_length)
+    for name, g, r in zip(("out", "lse", "dq", "dkv", "d_sink"), bounded, ref):
+        assert_close(f"bound: {name}", g, r)
+
+
 # ------------------------------------------------------------------------------------------------------
 # Paddle PyLayer vs the Paddle reference
 # ------------------------------------------------------------------------------------------------------
@@ -195,10 +251,13 @@ def test_pylayer_matches_paddle_reference(bsz, seq, heads, dim, d_v, n_kv, width
     w_out = rng.standard_normal((bsz, seq, heads, d_v)).astype(np.float32)
     w_lse = rng.standard_normal((bsz, seq, heads)).astype(np.float32)
     scale = 1.0 / math.sqrt(dim)
-    before = launch.LAUNCH_COUNTS["_sparse_attn_fwd_kernel"], launch.LAUNCH_COUNTS["_bwd_dkv_reduce_kernel"]
+    names = ("_sparse_attn_fwd_kernel", "_bwd_dkv_reduce_kernel", "_row_bound_kernel")
+    before = [launch.LAUNCH_COUNTS[n] for n in names]
     got = _paddle_run(sparse_attention_triton, q, kv, idx, sink, scale, d_v, w_out, w_lse)
-    assert launch.LAUNCH_COUNTS["_sparse_attn_fwd_kernel"] > before[0], "the Triton forward did not run"
-    assert launch.LAUNCH_COUNTS["_bwd_dkv_reduce_kernel"] > before[1], "the Triton backward did not run"
+    after = [launch.LAUNCH_COUNTS[n] for n in names]
+    assert after[0] > before[0], "the Triton forward did not run"
+    assert after[1] > before[1], "the Triton backward did not run"
+    assert after[2] == before[2] + 1, "the trailing bound must be derived once (forward) and reused (backward)"
     ref = _paddle_run(sparse_attention_with_sink, q, kv, idx, sink, scale, d_v, w_out, w_lse)
     for name, g, r in zip(("out", "lse", "dq", "dkv", "d_sink"), got, ref):
         assert_close(f"pylayer vs reference: {name}", g, r)

@@ -6,7 +6,9 @@ It flattens ``q`` to ``[B*S, H, d]`` and ``kv`` to ``[B*N, d]``, turns the per-b
 flat-global ids with ``remap`` (default the reference remap; pass the fused one to use it) and runs the
 kernels of ``kernel.py``: the forward and the deterministic backward (``dq``, ``dkv``, ``d_sink`` — the same
 inputs give byte-identical gradients run after run). The backward reuses the forward's index table, ``out``
-and ``lse`` (saved, not recomputed).
+and ``lse`` (saved, not recomputed), and the per-row trailing bound the forward derives once from the flat
+table (``kernel.row_bound``: last valid slot + 1), so neither pass walks the -1 slots that end a row
+(byte-identical to walking them).
 
 Widths the kernels do not tile (``d_v`` or ``d - d_v`` not a power of two >= 16) are zero-padded here,
 outside the PyLayer (exact: zero channels add nothing to a logit, produce zero output channels that are
@@ -39,7 +41,11 @@ def _pow2_at_least_16(n: int) -> int:
 class _SparseAttnTriton(PyLayer):
     @staticmethod
     def forward(ctx, q, kv, flat_idx, sink, scale, d_v):
-        out, lse = kernel.sparse_attn_fwd(q, kv, flat_idx, sink, scale, d_v=d_v)
+        # per-row trailing bound (last valid slot + 1), derived once and used by the forward and the backward
+        bound = kernel.row_bound(flat_idx, kv.shape[0]) if flat_idx.shape[0] and flat_idx.shape[1] else None
+        out, lse = kernel.sparse_attn_fwd(q, kv, flat_idx, sink, scale, d_v=d_v, topk_length=bound,
+                                          derive_bound=False)
+        ctx.bound = bound
         ctx.save_for_backward(q, kv, flat_idx, sink, out, lse)
         ctx.scale, ctx.d_v = scale, d_v
         # Paddle wants None (not a tensor) for an input that does not require a gradient
@@ -56,7 +62,7 @@ class _SparseAttnTriton(PyLayer):
             d_lse = d_lse.astype("float32")
             d_lse = d_lse.contiguous() if not d_lse.is_contiguous() else d_lse
         dq, dkv, d_sink = kernel.sparse_attn_bwd(q, kv, flat_idx, sink, ctx.scale, out, lse, d_out, d_lse,
-                                                 d_v=ctx.d_v)
+                                                 d_v=ctx.d_v, topk_length=ctx.bound, derive_bound=False)
         dq, dkv, d_sink = (g if need else None for g, need in zip((dq, dkv, d_sink), ctx.needs_grad))
         return dq, dkv, None, d_sink
 

@@ -39,6 +39,16 @@ fixed order, so the same inputs give byte-identical ``dq``, ``dkv`` and ``d_sink
 5. ``_bwd_dkv_reduce``: one program per kv row sums its pairs' contributions in CSR order (fixed-size
    lanes, then one tree reduction over the lanes) and adds the previous chunks' sum.
 
+Trailing bound (``row_bound``, on by default: ``derive_bound=True``): before any kernel, one small launch
+reads the index table once and writes, per row, the position of its last valid slot + 1 (``min``-ed with
+``topk_length`` when one is given); the forward and every backward kernel then stop there instead of at
+``K``. Slots past it are invalid, and an invalid slot contributes exactly nothing (``p = 0``, rescale
+factor exactly 1, ``dS = 0``, no CSR pair), so results are byte-identical with and without the bound;
+interior invalid slots (holes before the last valid one) are still masked as before. Causal top-k tables
+put their -1 slots last (early queries see fewer keys than ``K``): at s = 4096 with 2048 slots a quarter
+of the V3.2 slots are skipped. The dkv-contribution programs whose slot block lies wholly past the bound
+exit at once.
+
 Queries are processed in chunks so the pair buffers stay under ``max_partial_bytes``; chunks are summed
 in order (deterministic). This moves more bytes than an atomic scatter-add (the contributions are written
 once and read once) in exchange for reproducibility.
@@ -336,6 +346,8 @@ def _bwd_dkv_partial_kernel(
     n_valid = K
     if HAS_TOPK_LEN:
         n_valid = tl.minimum(tl.maximum(tl.load(TOPK_LEN + t).to(tl.int32), 0), K)
+        if pid_m * BLOCK_M >= n_valid:  # the whole slot block is past the row's bound: nothing to write
+            return
     kk = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     k_ok = kk < n_valid
     offs_hp = tl.arange(0, BLOCK_HP)
@@ -430,6 +442,28 @@ def _bwd_dkv_reduce_kernel(
         if ACCUMULATE:
             total_e = tl.load(ACC + row + offs_e) + total_e
         tl.store(OUT + row + offs_e, total_e.to(OUT.dtype.element_ty))
+
+
+# ------------------------------------------------------------------------------------------------------
+# Trailing bound: per row, last valid slot + 1 (within topk_length when given)
+# ------------------------------------------------------------------------------------------------------
+@triton.jit
+def _row_bound_kernel(IDX, TOPK_LEN, BOUND, T, N, K, stride_it,
+                      BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, HAS_TOPK_LEN: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    r_ok = rows < T
+    if HAS_TOPK_LEN:
+        n_valid = tl.minimum(tl.maximum(tl.load(TOPK_LEN + rows, mask=r_ok, other=0).to(tl.int32), 0), K)
+    else:
+        n_valid = tl.zeros([BLOCK_T], dtype=tl.int32) + K
+    best = tl.zeros([BLOCK_T], dtype=tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        m = r_ok[:, None] & (kk[None, :] < n_valid[:, None])
+        ids = tl.load(IDX + rows[:, None] * stride_it + kk[None, :], mask=m, other=-1)
+        ok = (ids >= 0) & (ids < N)
+        best = tl.maximum(best, tl.max(tl.where(ok, kk[None, :] + 1, 0), 1))
+    tl.store(BOUND + rows, best, mask=r_ok)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -530,7 +564,8 @@ _FWD_CONFIGS_GPU = [
 ]
 # Measured on an H200 (benchmarks/RESULTS.md, 2026-11-30): fwd BLOCK_N 64 / 2 stages beats 32 / 3 stages by
 # 1.4-1.6x; dq 32 / 3 stages beats 32 / 2 by 3-6 % of the whole backward, 16 / 3 loses 20 %; the dkv-partial
-# GEMM with 128-slot tiles and 8 warps beats 64 / 4 warps by 1-6 %.
+# GEMM with 128-slot tiles and 8 warps beats 64 / 4 warps by 1-6 %. Together (second run, same day, no trailing
+# bound): the backward 8-11 % faster on the V3.2 and CSA shapes, 2-7 % on HCA.
 _DQ_CONFIGS_GPU = [
     {"BLOCK_N": 32, "num_warps": 8, "num_stages": 3},
     {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
@@ -574,14 +609,47 @@ def _configs(kind: str, gpu_configs: list[dict]) -> list[dict]:
     return _INTERP[kind] if capability.detect().interpreter else gpu_configs
 
 
+def row_bound(idx: Any, n_kv: int, topk_length: Any = None) -> Any:
+    """Per-row trailing bound of an index table: int32 [T], 1 + the last slot k of row t with
+    ``0 <= idx[t, k] < n_kv`` (only slots ``k < topk_length[t]`` count when given), 0 for a row with none.
+
+    Passing it as ``topk_length`` gives byte-identical results to passing nothing (the slots past it are
+    invalid, and an invalid slot contributes exactly nothing) while the kernels stop at it. One launch,
+    one read of the table (T·K·4 bytes: 134 MB at T = 16384, K = 2048: 44 us measured on an H200).
+    """
+    if len(idx.shape) != 2 or _dtype_name(idx) not in ("int32", "int64") or not _is_contiguous(idx):
+        raise ValueError(f"row_bound: `idx` must be a contiguous int32/int64 [T, K], got {idx.dtype} "
+                         f"{list(idx.shape)}")
+    num_t, width = _shape(idx)
+    if topk_length is not None and (_shape(topk_length) != [num_t]
+                                    or _dtype_name(topk_length) not in ("int32", "int64")):
+        raise ValueError(f"row_bound: `topk_length` must be int32/int64 [{num_t}], got {topk_length.dtype} "
+                         f"{list(topk_length.shape)}")
+    bound = empty_like(idx, [num_t], dtype=_framework_dtype(idx, "int32"))
+    if num_t == 0:
+        return bound
+    interp = capability.detect().interpreter
+    block_t, block_k = (4, 16) if interp else (8, min(256, max(16, _pow2(width))))
+    launch(_row_bound_kernel, (triton.cdiv(num_t, block_t),), idx, idx if topk_length is None else topk_length,
+           bound, num_t, int(n_kv), width, width, BLOCK_T=block_t, BLOCK_K=block_k,
+           HAS_TOPK_LEN=topk_length is not None, num_warps=4)
+    return bound
+
+
 def sparse_attn_fwd(q: Any, kv: Any, idx: Any, sink: Any, scale: float, d_v: int | None = None,
-                    topk_length: Any = None) -> tuple[Any, Any]:
-    """Forward: q [T, H, d_qk], kv [N, d_qk], idx [T, K], sink [H] fp32 -> (out [T, H, d_v], lse [T, H] fp32)."""
+                    topk_length: Any = None, derive_bound: bool = True) -> tuple[Any, Any]:
+    """Forward: q [T, H, d_qk], kv [N, d_qk], idx [T, K], sink [H] fp32 -> (out [T, H, d_v], lse [T, H] fp32).
+
+    ``derive_bound`` (default): stop each row at its last valid slot (``row_bound``, byte-identical
+    results); pass ``False`` when ``topk_length`` already is such a bound (the Paddle function does).
+    """
     num_t, heads, d_qk, n_kv, width, d_v = check_inputs(q, kv, idx, sink, d_v, topk_length, "sparse_attn_fwd")
     out = empty_like(q, [num_t, heads, d_v])
     lse = empty_like(q, [num_t, heads], dtype=_framework_dtype(q, "float32"))
     if num_t == 0 or heads == 0:
         return out, lse
+    if derive_bound and width > 0:
+        topk_length = row_bound(idx, n_kv, topk_length)
     block_h = min(64, max(16, _pow2(heads)))
     grid = (num_t, triton.cdiv(heads, block_h))
     _launch_first_fitting(
@@ -597,13 +665,15 @@ def sparse_attn_fwd(q: Any, kv: Any, idx: Any, sink: Any, scale: float, d_v: int
 
 def sparse_attn_bwd(q: Any, kv: Any, idx: Any, sink: Any, scale: float, out: Any, lse: Any, d_out: Any,
                     d_lse: Any = None, d_v: int | None = None, topk_length: Any = None,
-                    partial_dtype: str = "float32", max_partial_bytes: int = 4 << 30) -> tuple[Any, Any, Any]:
+                    partial_dtype: str = "float32", max_partial_bytes: int = 4 << 30,
+                    derive_bound: bool = True) -> tuple[Any, Any, Any]:
     """Deterministic backward -> (dq [T, H, d_qk] like q, dkv [N, d_qk] like kv, d_sink [H] fp32).
 
     ``out``/``lse`` are the forward's outputs, ``d_out`` [T, H, d_v], ``d_lse`` [T, H] (optional, the
     gradient reaching the returned LSE). ``partial_dtype`` is the dtype of the per-pair dkv contributions
     ("float32", or "bfloat16" to halve their traffic at the cost of rounding each contribution);
-    ``max_partial_bytes`` bounds the pair buffers (queries are processed in chunks under it).
+    ``max_partial_bytes`` bounds the pair buffers (queries are processed in chunks under it);
+    ``derive_bound`` as in ``sparse_attn_fwd`` (byte-identical gradients either way).
     """
     fn = "sparse_attn_bwd"
     num_t, heads, d_qk, n_kv, width, d_v = check_inputs(q, kv, idx, sink, d_v, topk_length, fn)
@@ -664,6 +734,8 @@ def sparse_attn_bwd(q: Any, kv: Any, idx: Any, sink: Any, scale: float, out: Any
     acc = empty_like(kv, [n_kv, d_qk], dtype=f32) if n_chunks > 1 else dkv
     if n_chunks == 0:
         n_chunks, chunk = 1, 0  # one pass of the reduce writes zeros
+    if derive_bound and num_t > 0 and width > 0:
+        topk_length = row_bound(idx, n_kv, topk_length)
     topk = q if topk_length is None else topk_length
     meta = {"D_V": d_v, "D_TAIL": d_qk - d_v, "HAS_TOPK_LEN": topk_length is not None, "PREC": prec}
     for c in range(n_chunks):
@@ -710,4 +782,4 @@ def flops(num_valid_pairs: int, heads: int, d_qk: int, d_v: int) -> dict[str, fl
             "bwd": 2.0 * num_valid_pairs * heads * (2 * d_v + 3 * d_qk)}
 
 
-__all__ = ["sparse_attn_fwd", "sparse_attn_bwd", "check_inputs", "flops", "OVERRIDES"]
+__all__ = ["sparse_attn_fwd", "sparse_attn_bwd", "row_bound", "check_inputs", "flops", "OVERRIDES"]
