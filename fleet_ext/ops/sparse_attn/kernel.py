@@ -66,7 +66,7 @@ import triton
 import triton.language as tl
 
 from fleet_ext import capability
-from fleet_ext.ops.launch import _is_paddle, empty_like, launch
+from fleet_ext.ops.launch import _is_paddle, dtype_name, empty_like, launch, shape_of
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -473,9 +473,6 @@ def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def _dtype_name(tensor: Any) -> str:
-    return str(tensor.dtype).split(".")[-1]
-
 
 def _framework_dtype(tensor: Any, name: str) -> Any:
     if _is_paddle(tensor):
@@ -486,9 +483,6 @@ def _framework_dtype(tensor: Any, name: str) -> Any:
 
     return getattr(torch, name)
 
-
-def _shape(tensor: Any) -> list[int]:
-    return [int(s) for s in tensor.shape]
 
 
 def _is_contiguous(tensor: Any) -> bool:
@@ -516,21 +510,21 @@ def check_inputs(q: Any, kv: Any, idx: Any, sink: Any, d_v: int | None, topk_len
     """Validate the flat-layout inputs; returns (T, H, d_qk, N, K, d_v). Errors name the tensor."""
     if len(q.shape) != 3:
         raise ValueError(f"{fn}: `q` must be [T, H, d_qk], got shape {list(q.shape)}")
-    num_t, heads, d_qk = _shape(q)
+    num_t, heads, d_qk = shape_of(q)
     if len(kv.shape) != 2 or int(kv.shape[1]) != d_qk:
         raise ValueError(f"{fn}: `kv` must be [N, {d_qk}] (d_qk of `q`), got shape {list(kv.shape)}")
     if len(idx.shape) != 2 or int(idx.shape[0]) != num_t:
         raise ValueError(f"{fn}: `idx` must be [T, K] with T = {num_t}, got shape {list(idx.shape)}")
-    if _dtype_name(idx) not in ("int32", "int64"):
+    if dtype_name(idx) not in ("int32", "int64"):
         raise ValueError(f"{fn}: `idx` must be int32 or int64, got {idx.dtype}")
-    if _shape(sink) != [heads] or _dtype_name(sink) != "float32":
+    if shape_of(sink) != [heads] or dtype_name(sink) != "float32":
         raise ValueError(f"{fn}: `sink` must be fp32 [{heads}], got {sink.dtype} {list(sink.shape)}")
-    if _dtype_name(q) not in _FLOAT:
+    if dtype_name(q) not in _FLOAT:
         raise ValueError(f"{fn}: `q` must be float32, bfloat16 or float16, got {q.dtype}")
     if kv.dtype != q.dtype:
         raise ValueError(f"{fn}: `kv` must have the dtype of `q` ({q.dtype}), got {kv.dtype}")
-    if topk_length is not None and (_shape(topk_length) != [num_t]
-                                    or _dtype_name(topk_length) not in ("int32", "int64")):
+    if topk_length is not None and (shape_of(topk_length) != [num_t]
+                                    or dtype_name(topk_length) not in ("int32", "int64")):
         raise ValueError(f"{fn}: `topk_length` must be int32/int64 [{num_t}], got {topk_length.dtype} "
                          f"{list(topk_length.shape)}")
     d_v = d_qk if d_v is None else int(d_v)
@@ -552,7 +546,7 @@ def check_inputs(q: Any, kv: Any, idx: Any, sink: Any, d_v: int | None, topk_len
 
 def _prec(q: Any) -> str:
     # fp32 inputs: full-precision dots (Triton's default for fp32 would be tf32 on a GPU)
-    return "ieee" if _dtype_name(q) == "float32" else "tf32"
+    return "ieee" if dtype_name(q) == "float32" else "tf32"
 
 
 # Per-kernel launch configurations, most preferred first: a configuration that does not fit the
@@ -617,12 +611,12 @@ def row_bound(idx: Any, n_kv: int, topk_length: Any = None) -> Any:
     invalid, and an invalid slot contributes exactly nothing) while the kernels stop at it. One launch,
     one read of the table (T·K·4 bytes: 134 MB at T = 16384, K = 2048: 44 us measured on an H200).
     """
-    if len(idx.shape) != 2 or _dtype_name(idx) not in ("int32", "int64") or not _is_contiguous(idx):
+    if len(idx.shape) != 2 or dtype_name(idx) not in ("int32", "int64") or not _is_contiguous(idx):
         raise ValueError(f"row_bound: `idx` must be a contiguous int32/int64 [T, K], got {idx.dtype} "
                          f"{list(idx.shape)}")
-    num_t, width = _shape(idx)
-    if topk_length is not None and (_shape(topk_length) != [num_t]
-                                    or _dtype_name(topk_length) not in ("int32", "int64")):
+    num_t, width = shape_of(idx)
+    if topk_length is not None and (shape_of(topk_length) != [num_t]
+                                    or dtype_name(topk_length) not in ("int32", "int64")):
         raise ValueError(f"row_bound: `topk_length` must be int32/int64 [{num_t}], got {topk_length.dtype} "
                          f"{list(topk_length.shape)}")
     bound = empty_like(idx, [num_t], dtype=_framework_dtype(idx, "int32"))
@@ -653,7 +647,7 @@ def sparse_attn_fwd(q: Any, kv: Any, idx: Any, sink: Any, scale: float, d_v: int
     block_h = min(64, max(16, _pow2(heads)))
     grid = (num_t, triton.cdiv(heads, block_h))
     _launch_first_fitting(
-        "fwd", _sparse_attn_fwd_kernel, grid, (d_qk, d_v, block_h, _dtype_name(q)), _configs("fwd", _FWD_CONFIGS_GPU),
+        "fwd", _sparse_attn_fwd_kernel, grid, (d_qk, d_v, block_h, dtype_name(q)), _configs("fwd", _FWD_CONFIGS_GPU),
         q, kv, idx, q if topk_length is None else topk_length, sink, out, lse,
         heads, n_kv, width, float(scale) * _LOG2E,
         heads * d_qk, d_qk, d_qk, width, heads * d_v, d_v,
@@ -677,14 +671,14 @@ def sparse_attn_bwd(q: Any, kv: Any, idx: Any, sink: Any, scale: float, out: Any
     """
     fn = "sparse_attn_bwd"
     num_t, heads, d_qk, n_kv, width, d_v = check_inputs(q, kv, idx, sink, d_v, topk_length, fn)
-    if _shape(d_out) != [num_t, heads, d_v] or d_out.dtype != q.dtype:
+    if shape_of(d_out) != [num_t, heads, d_v] or d_out.dtype != q.dtype:
         raise ValueError(f"{fn}: `d_out` must be {q.dtype} [{num_t}, {heads}, {d_v}], got {d_out.dtype} "
                          f"{list(d_out.shape)}")
-    if _shape(out) != [num_t, heads, d_v]:
+    if shape_of(out) != [num_t, heads, d_v]:
         raise ValueError(f"{fn}: `out` must be [{num_t}, {heads}, {d_v}], got {list(out.shape)}")
-    if _shape(lse) != [num_t, heads] or _dtype_name(lse) != "float32":
+    if shape_of(lse) != [num_t, heads] or dtype_name(lse) != "float32":
         raise ValueError(f"{fn}: `lse` must be fp32 [{num_t}, {heads}], got {lse.dtype} {list(lse.shape)}")
-    if d_lse is not None and (_shape(d_lse) != [num_t, heads] or _dtype_name(d_lse) != "float32"):
+    if d_lse is not None and (shape_of(d_lse) != [num_t, heads] or dtype_name(d_lse) != "float32"):
         raise ValueError(f"{fn}: `d_lse` must be fp32 [{num_t}, {heads}], got {d_lse.dtype} {list(d_lse.shape)}")
     if partial_dtype not in ("float32", "bfloat16"):
         raise ValueError(f"{fn}: `partial_dtype` must be 'float32' or 'bfloat16', got {partial_dtype!r}")
@@ -719,8 +713,8 @@ def sparse_attn_bwd(q: Any, kv: Any, idx: Any, sink: Any, scale: float, out: Any
     # 2-5. dq and dkv, by chunks of queries
     h_pad = max(16, _pow2(heads))
     block_h = min(64, h_pad)
-    elem = 4 if _dtype_name(q) == "float32" else 2
-    part_elem = 4 if partial_dtype == "float32" or _dtype_name(q) == "float32" else 2
+    elem = 4 if dtype_name(q) == "float32" else 2
+    part_elem = 4 if partial_dtype == "float32" or dtype_name(q) == "float32" else 2
     part_dt = _framework_dtype(q, "float32" if part_elem == 4 else partial_dtype)
     per_query = max(1, width) * (d_qk * part_elem + 2 * h_pad * elem + 4 + 4 + 8)
     chunk = max(1, min(max(num_t, 1), int(max_partial_bytes) // per_query))
@@ -743,7 +737,7 @@ def sparse_attn_bwd(q: Any, kv: Any, idx: Any, sink: Any, scale: float, out: Any
         tc = min(chunk, num_t - t0)
         if tc > 0:  # dq (zeros when the index table is empty)
             _launch_first_fitting(
-                "dq", _bwd_dq_kernel, (tc, h_pad // block_h), (d_qk, d_v, block_h, _dtype_name(q)),
+                "dq", _bwd_dq_kernel, (tc, h_pad // block_h), (d_qk, d_v, block_h, dtype_name(q)),
                 _configs("dq", _DQ_CONFIGS_GPU),
                 q, kv, d_out, idx, topk, lse, delta, dq, p_buf, ds_buf,
                 heads, n_kv, width, t0, float(scale) * _LOG2E, float(scale), h_pad,
@@ -753,7 +747,7 @@ def sparse_attn_bwd(q: Any, kv: Any, idx: Any, sink: Any, scale: float, out: Any
         if tc > 0 and width > 0:
             _launch_first_fitting(
                 "partial", _bwd_dkv_partial_kernel, lambda m, tc=tc: (tc, triton.cdiv(width, m["BLOCK_M"])),
-                (d_qk, d_v, h_pad, _dtype_name(q), partial_dtype), _configs("partial", _PARTIAL_CONFIGS_GPU),
+                (d_qk, d_v, h_pad, dtype_name(q), partial_dtype), _configs("partial", _PARTIAL_CONFIGS_GPU),
                 q, d_out, topk, p_buf, ds_buf, part,
                 heads, width, t0, h_pad, heads * d_qk, d_qk, heads * d_v, d_v, d_qk,
                 BLOCK_HP=h_pad, BLOCK_D=min(d_v, 16 if interp else 64), **meta,
