@@ -20,7 +20,7 @@ from fleet_ext import capability
 LAUNCH_COUNTS: collections.Counter[str] = collections.Counter()
 
 
-def _is_paddle(tensor: Any) -> bool:
+def is_paddle(tensor: Any) -> bool:
     return type(tensor).__module__.startswith("paddle")
 
 
@@ -47,7 +47,7 @@ def detached(tensor: Any) -> Any:
 
 def kernel_arg(tensor: Any) -> Any:
     """What a Triton kernel receives for ``tensor``: a torch view in interpreter mode, else the tensor."""
-    if not capability.detect().interpreter or not _is_paddle(tensor):
+    if not capability.detect().interpreter or not is_paddle(tensor):
         return tensor
     import torch
 
@@ -57,7 +57,7 @@ def kernel_arg(tensor: Any) -> Any:
 def empty_like(tensor: Any, shape: Sequence[int] | None = None, dtype: Any = None) -> Any:
     """A new uninitialised tensor in the framework/device of ``tensor``."""
     shape = list(tensor.shape if shape is None else shape)
-    if _is_paddle(tensor):
+    if is_paddle(tensor):
         import paddle
 
         return paddle.empty(shape, dtype=dtype or tensor.dtype)

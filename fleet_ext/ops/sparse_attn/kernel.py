@@ -66,7 +66,7 @@ import triton
 import triton.language as tl
 
 from fleet_ext import capability
-from fleet_ext.ops.launch import _is_paddle, dtype_name, empty_like, launch, shape_of
+from fleet_ext.ops.launch import dtype_name, empty_like, is_paddle, launch, shape_of
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -475,7 +475,7 @@ def _pow2(n: int) -> int:
 
 
 def _framework_dtype(tensor: Any, name: str) -> Any:
-    if _is_paddle(tensor):
+    if is_paddle(tensor):
         import paddle
 
         return getattr(paddle, name)
@@ -492,7 +492,7 @@ def _is_contiguous(tensor: Any) -> bool:
 
 def _stable_sort(keys: Any) -> tuple[Any, Any]:
     """(sorted keys, permutation) with equal keys kept in input order — the one framework op used here."""
-    if _is_paddle(keys):
+    if is_paddle(keys):
         import paddle
 
         order = paddle.argsort(keys, stable=True)
