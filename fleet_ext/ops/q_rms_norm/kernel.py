@@ -69,7 +69,7 @@ from typing import Any
 import triton
 import triton.language as tl
 
-from fleet_ext.ops.launch import detached, dtype_name, empty_like, launch, shape_of, strides_of
+from fleet_ext.ops.launch import detached, dtype_name, empty_like, is_paddle, launch, shape_of, strides_of
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 PHASE_STATS, PHASE_APPLY, PHASE_FUSED = 0, 1, 2
@@ -513,7 +513,7 @@ def _q_rms_norm_bwd_kernel(
 # ------------------------------------------------------------------------------------------------------
 def _float32_of(t: Any) -> Any:
     """fp32 in the framework of ``t`` (imported lazily: this module imports no framework)."""
-    if type(t).__module__.startswith("paddle"):
+    if is_paddle(t):
         import paddle
 
         return paddle.float32
