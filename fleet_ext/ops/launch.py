@@ -66,8 +66,42 @@ def empty_like(tensor: Any, shape: Sequence[int] | None = None, dtype: Any = Non
     return torch.empty(shape, dtype=dtype or tensor.dtype, device=tensor.device)
 
 
+def _fix_interpreter_scalar_index() -> None:
+    """Let run-time scalars bound loops in the Triton interpreter.
+
+    Triton 3.6's interpreter holds a scalar as a shape-(1,) NumPy array and turns it into a ``range`` bound
+    with ``int(array)``, which NumPy 2.4 rejects ("only 0-dimensional arrays can be converted"); compiled
+    kernels are unaffected. Wrap its tensor patching so ``__index__`` reads the single element instead.
+    The interpreter applies its patching at every run, so wrapping it before the first interpreted launch
+    is enough; idempotent.
+    """
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_scalar_index_fixed", False):
+        return
+
+    def patched(tensor: Any, scope: Any) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._scalar_index_fixed = True
+    interpreter._patch_lang_tensor = patched
+
+
+def is_interpreted(kernel: Any) -> bool:
+    """True when Triton built ``kernel`` for its interpreter (``TRITON_INTERPRET=1`` when it was decorated)."""
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
-    """Run ``kernel[grid](*args, **meta)`` with tensor args adapted; count the launch."""
+    """Run ``kernel[grid](*args, **meta)`` with tensor args adapted; count the launch.
+
+    Decided here, at launch and not at import (kernel modules import without Paddle or torch): an
+    interpreted kernel gets the interpreter's scalar-index fix first.
+    """
+    if is_interpreted(kernel):
+        _fix_interpreter_scalar_index()
     adapted = [kernel_arg(a) if hasattr(a, "shape") and hasattr(a, "dtype") else a for a in args]
     kernel[grid](*adapted, **meta)
     LAUNCH_COUNTS[getattr(kernel, "__name__", None) or kernel.fn.__name__] += 1

@@ -1,10 +1,12 @@
 """Time every fusion on a GPU: unfused eager torch, torch.compile of it, the fused kernel.
 
 Run on the H200 (torch + Triton, no Paddle):  python scripts/bench/bench_fusions.py [--out DIR]
-Prints one table (last) and writes bench_fusions.json. Each case module (``fusion_cases_*.py``
-beside this file) returns dicts with ``name``, ``shape``, ``eager``, ``fused``, ``bytes_moved`` and
-optionally ``flops`` and ``extra`` (more callables to time, e.g. the bare GEMM). Times are medians of
-``triton.testing.do_bench``; bandwidth is compared with a device-to-device copy measured in the same run.
+Prints one table (last) and writes bench_fusions.json. Each case module beside this file
+(``cases_index_norm_sink.py``: KV index remap, q RMS norm, sink gradient; ``cases_rope_postmix.py``: RoPE
+and inverse RoPE + VHA postmix) returns dicts with ``name``, ``shape``, ``eager``, ``fused``,
+``bytes_moved`` and optionally ``flops`` and ``extra`` (more callables to time, e.g. the bare GEMM).
+Times are medians of ``triton.testing.do_bench``; bandwidth is compared with a device-to-device copy
+measured in the same run.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def run_case(case: dict, copy_gbs: float) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--modules", nargs="*", default=["fusion_cases_k1", "fusion_cases_k2"])
+    parser.add_argument("--modules", nargs="*", default=["cases_index_norm_sink", "cases_rope_postmix"])
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
     copy_gbs = copy_bandwidth_gbs()

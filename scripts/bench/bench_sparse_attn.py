@@ -202,7 +202,8 @@ def matmul_tflops(n: int = 8192) -> float:
     return 2 * n**3 / median_ms(lambda: a @ b) / 1e9
 
 
-def bench_shape(shape: dict, args, rows: list) -> None:
+def _inputs(shape: dict) -> tuple:
+    """(q, kv, idx, sink, d_out, scale) for one shape, from seed 0."""
     torch.manual_seed(0)
     seq, heads, d_qk, d_v, n_kv = shape["seq"], shape["heads"], shape["d_qk"], shape["d_v"], shape["n_kv"]
     q = torch.randn((seq, heads, d_qk), device=DEV, dtype=torch.bfloat16)
@@ -210,7 +211,113 @@ def bench_shape(shape: dict, args, rows: list) -> None:
     idx = shape["idx"]()
     sink = torch.rand((heads,), device=DEV) * 3 - 1
     d_out = torch.randn((seq, heads, d_v), device=DEV, dtype=torch.bfloat16)
-    scale = 1.0 / math.sqrt(d_qk)
+    return q, kv, idx, sink, d_out, 1.0 / math.sqrt(d_qk)
+
+
+def _time_compare(row: dict, fl: dict, fwd, bwd, bound) -> None:
+    """--compare: no trailing bound, the old backward launch defaults, the bound alone."""
+    row["bound_us"] = median_ms(bound) * 1e3
+    row["fwd_nobound_ms"] = median_ms(lambda: fwd(derive_bound=False))
+    row["fwd_nobound_tflops"] = fl["fwd"] / row["fwd_nobound_ms"] / 1e9
+    row["bwd_nobound_ms"] = median_ms(lambda: bwd(derive_bound=False), warmup=10, rep=60)
+    row["bwd_nobound_tflops"] = fl["bwd"] / row["bwd_nobound_ms"] / 1e9
+    kernel.OVERRIDES["dq"] = [{"BLOCK_N": 32, "num_warps": 8, "num_stages": 2}]
+    kernel.OVERRIDES["partial"] = [{"BLOCK_M": 64, "num_warps": 4, "num_stages": 2}]
+    try:
+        row["bwd_olddefaults_nobound_ms"] = median_ms(lambda: bwd(derive_bound=False), warmup=10, rep=60)
+        row["bwd_olddefaults_nobound_tflops"] = fl["bwd"] / row["bwd_olddefaults_nobound_ms"] / 1e9
+    finally:
+        kernel.OVERRIDES.pop("dq")
+        kernel.OVERRIDES.pop("partial")
+
+
+def _time_overrides(name: str, configs: dict, fn, warmup: int, rep: int, digits: int) -> dict:
+    """Median ms of ``fn`` with each launch configuration of kernel ``name`` (errors recorded, not hidden)."""
+    out = {}
+    for label, cfg in configs.items():
+        kernel.OVERRIDES[name] = [cfg]
+        try:
+            out[label] = round(median_ms(fn, warmup=warmup, rep=rep), digits)
+        except Exception as exc:  # report, do not hide
+            out[label] = f"{type(exc).__name__}: {str(exc)[:80]}"
+        kernel.OVERRIDES.pop(name)
+    return out
+
+
+def _time_variants(row: dict, fwd, bwd) -> None:
+    """--variants: a single query chunk, and the launch configurations of the fwd, dq and partial kernels."""
+    row["bwd_16g_ms"] = median_ms(lambda: bwd(max_partial_bytes=16 << 30), warmup=10, rep=60)
+    row["bwd_breakdown_ms"] = kernel_breakdown(bwd)
+    row["fwd_variants_ms"] = _time_overrides("fwd", {
+        "bn64s2": {"BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
+        "bn32s3": {"BLOCK_N": 32, "num_warps": 8, "num_stages": 3},
+        "bn32s2": {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2}}, fwd, 25, 100, 4)
+    row["dq_variants_ms"] = _time_overrides("dq", {
+        "bn32s3": {"BLOCK_N": 32, "num_warps": 8, "num_stages": 3},
+        "bn32s2": {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
+        "bn16s3": {"BLOCK_N": 16, "num_warps": 8, "num_stages": 3}}, bwd, 5, 30, 3)
+    row["partial_variants_ms"] = _time_overrides("partial", {
+        "bm64w4s2": {"BLOCK_M": 64, "num_warps": 4, "num_stages": 2},
+        "bm128w8s2": {"BLOCK_M": 128, "num_warps": 8, "num_stages": 2},
+        "bm64w4s3": {"BLOCK_M": 64, "num_warps": 4, "num_stages": 3}}, bwd, 5, 30, 3)
+
+
+def _time_eager(row: dict, fl: dict, args, q, kv, idx, sink, d_out, scale, d_v) -> None:
+    """--baselines: the unfused torch gather-softmax, forward and forward + autograd backward."""
+    if q.shape[0] > args.eager_max_seq:
+        row["eager"] = f"not run: s > {args.eager_max_seq} (gathered [s, K, d] and [s, h, K] logits exceed memory)"
+        return
+    try:
+        row["eager_fwd_ms"] = median_ms(lambda: eager_sparse_attn(q, kv, idx, sink, scale, d_v), 5, 30)
+        row["eager_fwd_tflops"] = fl["fwd"] / row["eager_fwd_ms"] / 1e9
+        qg, kvg = q.detach().requires_grad_(True), kv.detach().requires_grad_(True)
+        sg = sink.detach().requires_grad_(True)
+
+        def eager_fb():
+            o, _ = eager_sparse_attn(qg, kvg, idx, sg, scale, d_v)
+            o.backward(d_out)
+
+        torch.cuda.reset_peak_memory_stats()
+        row["eager_fwdbwd_ms"] = median_ms(eager_fb, 3, 20)
+        row["eager_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
+    except torch.OutOfMemoryError:
+        row["eager"] = "out of memory"
+    torch.cuda.empty_cache()
+
+
+def _time_flex(row: dict, fl: dict, args, q, kv, idx, sink, scale, d_v, n_kv, out) -> None:
+    """--baselines: flex_attention with a block mask from the index table (the sink applied afterwards)."""
+    if q.shape[0] > args.flex_max_seq:
+        row["flex"] = f"not run: s > {args.flex_max_seq}"
+        return
+    try:
+        t0 = time.time()
+        run, block_mask, options, errors = flex_fn(q, kv, idx, sink, scale, d_v, n_kv)
+        row["flex_compile_s"] = round(time.time() - t0, 1)
+        row["flex_kernel_options"] = str(options)
+        row["flex_failed_options"] = errors
+        row["flex_fwd_ms"] = median_ms(run, 5, 30)
+        row["flex_fwd_tflops"] = fl["fwd"] / row["flex_fwd_ms"] / 1e9
+        row["flex_block_density"] = round(1.0 - float(block_mask.sparsity()) / 100.0, 3)
+        fo, flse = run()
+        row["flex_out_rel_err"] = ((fo.float() - out.float()).norm() / out.float().norm()).item()
+    except Exception as exc:  # noqa: BLE001 - record why flex cannot run this shape
+        row["flex"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+    torch.cuda.empty_cache()
+
+
+def _print_row(shape: dict, row: dict) -> None:
+    print(f"  {shape['name']}: fwd {row['fwd_ms']:.3f} ms {row['fwd_tflops']:.0f} TF/s | "
+          f"bwd {row['bwd_ms']:.2f} ms {row['bwd_tflops']:.0f} TF/s | bitwise {row['bwd_bitwise_repeat']} | "
+          + " ".join(f"{k} {row[k]:.3f}" if isinstance(row[k], float) else f"{k} {row[k]}"
+                     for k in ("fwd_nobound_ms", "bwd_nobound_ms", "bwd_olddefaults_nobound_ms", "bwd_bf16part_ms",
+                               "bound_us", "bound_bitwise") if k in row),
+          flush=True)
+
+
+def bench_shape(shape: dict, args, rows: list) -> None:
+    q, kv, idx, sink, d_out, scale = _inputs(shape)
+    seq, heads, d_qk, d_v, n_kv = shape["seq"], shape["heads"], shape["d_qk"], shape["d_v"], shape["n_kv"]
     pairs = int((idx >= 0).sum().item())
     fl = kernel.flops(pairs, heads, d_qk, d_v)
     row = {"shape": shape["name"], "seq": seq, "heads": heads, "d_qk": d_qk, "d_v": d_v, "K": idx.shape[1],
@@ -219,8 +326,12 @@ def bench_shape(shape: dict, args, rows: list) -> None:
 
     bound = kernel.row_bound(idx, n_kv)
     row["executed_frac"] = round(int(bound.sum().item()) / idx.numel(), 4)  # slots the bounded kernels walk
-    out, lse = kernel.sparse_attn_fwd(q, kv, idx, sink, scale, d_v=d_v)
-    row["fwd_ms"] = median_ms(lambda: kernel.sparse_attn_fwd(q, kv, idx, sink, scale, d_v=d_v))
+
+    def fwd(**kw):
+        return kernel.sparse_attn_fwd(q, kv, idx, sink, scale, d_v=d_v, **kw)
+
+    out, lse = fwd()
+    row["fwd_ms"] = median_ms(fwd)
     row["fwd_tflops"] = fl["fwd"] / row["fwd_ms"] / 1e9
     row["ns_per_pair_fwd"] = row["fwd_ms"] * 1e6 / pairs
 
@@ -233,7 +344,7 @@ def bench_shape(shape: dict, args, rows: list) -> None:
     row["bwd_bitwise_repeat"] = all(torch.equal(a, b) for a, b in zip(g1, g2))
     del g2
     if args.compare:
-        out_f, lse_f = kernel.sparse_attn_fwd(q, kv, idx, sink, scale, d_v=d_v, derive_bound=False)
+        out_f, lse_f = fwd(derive_bound=False)
         g_f = kernel.sparse_attn_bwd(q, kv, idx, sink, scale, out_f, lse_f, d_out, d_v=d_v, derive_bound=False)
         torch.cuda.synchronize()
         row["bound_bitwise"] = all(torch.equal(a, b) for a, b in zip((out, lse, *g1), (out_f, lse_f, *g_f)))
@@ -242,103 +353,18 @@ def bench_shape(shape: dict, args, rows: list) -> None:
     row["bwd_ms"] = median_ms(bwd, warmup=10, rep=60)
     row["bwd_tflops"] = fl["bwd"] / row["bwd_ms"] / 1e9
     if args.compare:
-        row["bound_us"] = median_ms(lambda: kernel.row_bound(idx, n_kv)) * 1e3
-        row["fwd_nobound_ms"] = median_ms(
-            lambda: kernel.sparse_attn_fwd(q, kv, idx, sink, scale, d_v=d_v, derive_bound=False))
-        row["fwd_nobound_tflops"] = fl["fwd"] / row["fwd_nobound_ms"] / 1e9
-        row["bwd_nobound_ms"] = median_ms(lambda: bwd(derive_bound=False), warmup=10, rep=60)
-        row["bwd_nobound_tflops"] = fl["bwd"] / row["bwd_nobound_ms"] / 1e9
-        kernel.OVERRIDES["dq"] = [{"BLOCK_N": 32, "num_warps": 8, "num_stages": 2}]
-        kernel.OVERRIDES["partial"] = [{"BLOCK_M": 64, "num_warps": 4, "num_stages": 2}]
-        try:
-            row["bwd_olddefaults_nobound_ms"] = median_ms(lambda: bwd(derive_bound=False), warmup=10, rep=60)
-            row["bwd_olddefaults_nobound_tflops"] = fl["bwd"] / row["bwd_olddefaults_nobound_ms"] / 1e9
-        finally:
-            kernel.OVERRIDES.pop("dq")
-            kernel.OVERRIDES.pop("partial")
+        _time_compare(row, fl, fwd, bwd, lambda: kernel.row_bound(idx, n_kv))
     if args.variants or args.compare:
         row["bwd_bf16part_ms"] = median_ms(lambda: bwd(partial_dtype="bfloat16"), warmup=10, rep=60)
         row["bwd_bf16part_tflops"] = fl["bwd"] / row["bwd_bf16part_ms"] / 1e9
     if args.compare:
         row["bwd_breakdown_ms"] = kernel_breakdown(bwd)
     if args.variants:
-        row["bwd_16g_ms"] = median_ms(lambda: bwd(max_partial_bytes=16 << 30), warmup=10, rep=60)
-        row["bwd_breakdown_ms"] = kernel_breakdown(bwd)
-        row["fwd_variants_ms"] = {}
-        for label, cfg in (("bn64s2", {"BLOCK_N": 64, "num_warps": 8, "num_stages": 2}),
-                           ("bn32s3", {"BLOCK_N": 32, "num_warps": 8, "num_stages": 3}),
-                           ("bn32s2", {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2})):
-            kernel.OVERRIDES["fwd"] = [cfg]
-            try:
-                row["fwd_variants_ms"][label] = round(
-                    median_ms(lambda: kernel.sparse_attn_fwd(q, kv, idx, sink, scale, d_v=d_v)), 4)
-            except Exception as exc:  # report, do not hide
-                row["fwd_variants_ms"][label] = f"{type(exc).__name__}: {str(exc)[:80]}"
-            kernel.OVERRIDES.pop("fwd")
-        row["dq_variants_ms"] = {}
-        for label, cfg in (("bn32s3", {"BLOCK_N": 32, "num_warps": 8, "num_stages": 3}),
-                           ("bn32s2", {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2}),
-                           ("bn16s3", {"BLOCK_N": 16, "num_warps": 8, "num_stages": 3})):
-            kernel.OVERRIDES["dq"] = [cfg]
-            try:
-                row["dq_variants_ms"][label] = round(median_ms(bwd, warmup=5, rep=30), 3)
-            except Exception as exc:
-                row["dq_variants_ms"][label] = f"{type(exc).__name__}: {str(exc)[:80]}"
-            kernel.OVERRIDES.pop("dq")
-        row["partial_variants_ms"] = {}
-        for label, cfg in (("bm64w4s2", {"BLOCK_M": 64, "num_warps": 4, "num_stages": 2}),
-                           ("bm128w8s2", {"BLOCK_M": 128, "num_warps": 8, "num_stages": 2}),
-                           ("bm64w4s3", {"BLOCK_M": 64, "num_warps": 4, "num_stages": 3})):
-            kernel.OVERRIDES["partial"] = [cfg]
-            try:
-                row["partial_variants_ms"][label] = round(median_ms(bwd, warmup=5, rep=30), 3)
-            except Exception as exc:
-                row["partial_variants_ms"][label] = f"{type(exc).__name__}: {str(exc)[:80]}"
-            kernel.OVERRIDES.pop("partial")
-    print(f"  {shape['name']}: fwd {row['fwd_ms']:.3f} ms {row['fwd_tflops']:.0f} TF/s | "
-          f"bwd {row['bwd_ms']:.2f} ms {row['bwd_tflops']:.0f} TF/s | bitwise {row['bwd_bitwise_repeat']} | "
-          + " ".join(f"{k} {row[k]:.3f}" if isinstance(row[k], float) else f"{k} {row[k]}"
-                     for k in ("fwd_nobound_ms", "bwd_nobound_ms", "bwd_olddefaults_nobound_ms", "bwd_bf16part_ms",
-                               "bound_us", "bound_bitwise") if k in row),
-          flush=True)
-
+        _time_variants(row, fwd, bwd)
+    _print_row(shape, row)
     if args.baselines:
-        if seq <= args.eager_max_seq:
-            try:
-                row["eager_fwd_ms"] = median_ms(lambda: eager_sparse_attn(q, kv, idx, sink, scale, d_v), 5, 30)
-                row["eager_fwd_tflops"] = fl["fwd"] / row["eager_fwd_ms"] / 1e9
-                qg, kvg = q.detach().requires_grad_(True), kv.detach().requires_grad_(True)
-                sg = sink.detach().requires_grad_(True)
-
-                def eager_fb():
-                    o, _ = eager_sparse_attn(qg, kvg, idx, sg, scale, d_v)
-                    o.backward(d_out)
-
-                torch.cuda.reset_peak_memory_stats()
-                row["eager_fwdbwd_ms"] = median_ms(eager_fb, 3, 20)
-                row["eager_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
-            except torch.OutOfMemoryError:
-                row["eager"] = "out of memory"
-            torch.cuda.empty_cache()
-        else:
-            row["eager"] = f"not run: s > {args.eager_max_seq} (gathered [s, K, d] and [s, h, K] logits exceed memory)"
-        if seq <= args.flex_max_seq:
-            try:
-                t0 = time.time()
-                run, block_mask, options, errors = flex_fn(q, kv, idx, sink, scale, d_v, n_kv)
-                row["flex_compile_s"] = round(time.time() - t0, 1)
-                row["flex_kernel_options"] = str(options)
-                row["flex_failed_options"] = errors
-                row["flex_fwd_ms"] = median_ms(run, 5, 30)
-                row["flex_fwd_tflops"] = fl["fwd"] / row["flex_fwd_ms"] / 1e9
-                row["flex_block_density"] = round(1.0 - float(block_mask.sparsity()) / 100.0, 3)
-                fo, flse = run()
-                row["flex_out_rel_err"] = ((fo.float() - out.float()).norm() / out.float().norm()).item()
-            except Exception as exc:  # noqa: BLE001 - record why flex cannot run this shape
-                row["flex"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-            torch.cuda.empty_cache()
-        else:
-            row["flex"] = f"not run: s > {args.flex_max_seq}"
+        _time_eager(row, fl, args, q, kv, idx, sink, d_out, scale, d_v)
+        _time_flex(row, fl, args, q, kv, idx, sink, scale, d_v, n_kv, out)
     rows.append(row)
 
 

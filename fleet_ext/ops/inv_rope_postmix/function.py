@@ -76,7 +76,7 @@ def inv_rope_vha_postmix(
         raise ValueError(f"inv_rope_vha_postmix: `out` [b, s, h, d] and `mix` [h, h] expected, got {out.shape}, "
                          f"{mix.shape}")
     rope_kernel.check_args(out, cos, sin)
-    rope_function._check_tables(cos, sin, "inv_rope_vha_postmix")
+    rope_function.check_tables(cos, sin, "inv_rope_vha_postmix")
     if kernel.split_start(out.shape[-1], 2 * cos.shape[-1]) is None:
         _log_fallback(out.shape[-1], 2 * cos.shape[-1])
     return _InvRopePostmix.apply(out, cos, sin, mix.astype(out.dtype))

@@ -57,6 +57,10 @@ def _write_trailing_kernel(
     tl.store(dst_ptr + (r * d_sb + h * d_sh)[:, None] + ((START + c) * d_sd)[None, :], v, mask=mask)
 
 
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
 def _rows_heads(t: Any) -> tuple[int, int, list[int]]:
     """[b, s, h, w] -> (b*s, h, [row stride, head stride, channel stride]); b and s must fold."""
     b, s, h, _ = (int(n) for n in t.shape)
@@ -79,9 +83,9 @@ def write_trailing_(dst: Any, src: Any) -> Any:
     width, total = int(src.shape[3]), rows * h
     if total == 0 or width == 0:
         return dst
-    block_w = rope_kernel._pow2(width)
+    block_w = _pow2(width)
     budget = 8192 if rope_kernel.USE_PTX else 1 << 17
-    block_m = min(rope_kernel._pow2(total), max(1, rope_kernel._pow2(budget // block_w + 1) // 2))
+    block_m = min(_pow2(total), max(1, _pow2(budget // block_w + 1) // 2))
     launch(
         _write_trailing_kernel, (triton.cdiv(total, block_m),),
         detached(dst), detached(src), total, h, *d_strides, *s_strides,

@@ -23,15 +23,11 @@ the input's dtype and framework.
 - **Any other strides**: ``BLOCK_R`` rows (the batch index computed per row, not per element) by
   ``BLOCK_K`` columns, 32 KiB of table per program, 16-byte accesses when the column stride is 1.
 
-H200 measurements (2026, int32, seqlen_kv 65536 + 512; ``scripts/bench/fusion_cases_k1.py --sweep``):
-a ``clone`` of the table is the practical ceiling at these sizes (B=1 [16384, 640], 84 MB of traffic:
-25.1 us, 78% of the 4.3 TB/s large-copy rate; the rest is ramp and tail). The flat path at 4 KiB per
-program (the default) ran 24.5 us there and 72.3 us for [16384, 2176] (clone 71.5), B=4 [4096, 640]
-24.5 us; 2 KiB: 23.9 / 71.6 / 24.9 us; 8-16 KiB: 25.3 / 75.1 / 25.5 us; the 2-D kernel 28.1 / 76.8 /
-36.8 us; 32 KiB programs and evict-first / streaming-store hints were slower. Timings of this ~25 us op
-move by a few us between runs (the same 4 KiB kernel read 28.3 us in ``bench_fusions.py`` right after).
-The host side dominates at K=640: back-to-back calls cost ~45 us each (validation and allocation 8 us,
-the rest Triton's launch path), so outside a CUDA graph the op is launch-bound there.
+Why these choices: at the production sizes a plain ``clone`` of the table is the practical ceiling, and
+the flat path with 2-4 KiB programs came closest to it in a sweep on the H200 (4 KiB is the default;
+larger programs, the 2-D kernel and cache hints were slower); outside a CUDA graph the op is bound by the
+host launch path at K = 640. The timings: ``benchmarks/RESULTS.md``, "kv_idx_remap tuning (moved from the
+kernel source)".
 """
 
 from __future__ import annotations
@@ -131,8 +127,8 @@ def tile(width: int, itemsize: int) -> tuple[int, int]:
     return block_r, block_k
 
 
-# Flat path (contiguous tables): entries per program and warps. Tuned on the H200 (scripts/bench): see
-# the module docstring. ``TUNE`` lets the benchmark sweep them without editing the module.
+# Flat path (contiguous tables): entries per program and warps, chosen on the H200 (module docstring;
+# timings in benchmarks/RESULTS.md). ``TUNE`` lets the benchmark sweep them without editing the module.
 FLAT_BLOCK_BYTES = 4 * 1024
 FLAT_NUM_WARPS = 4
 FLAT_STREAM = False

@@ -1,10 +1,18 @@
-"""Weightless per-head RMS norm of the DSv4 query (no learnable gain)."""
+"""Weightless RMS normalisation in pure Paddle: the per-head q norm of DSv4 (no learnable gain).
+
+``rms_normalize`` is the one definition of the weightless normalisation's arithmetic; the layers use it
+too (``fleet_ext.layers.norm`` re-exports it: layers import ops, never the reverse).
+"""
 
 from __future__ import annotations
 
 import paddle
 
-from fleet_ext.layers.norm import rms_normalize
+
+def rms_normalize(x: paddle.Tensor, eps: float) -> paddle.Tensor:
+    """``x / sqrt(mean(x^2) + eps)`` over the last axis, computed in fp32 and cast back."""
+    xf = x.astype("float32")
+    return (xf * paddle.rsqrt(xf.square().mean(axis=-1, keepdim=True) + eps)).astype(x.dtype)
 
 
 def q_rms_norm(q: paddle.Tensor, eps: float) -> paddle.Tensor:

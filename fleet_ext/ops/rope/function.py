@@ -31,7 +31,8 @@ class _PartialRope(PyLayer):
         return kernel.rope_grad(grad, cos, sin, inverse=ctx.inverse), None, None
 
 
-def _check_tables(cos: paddle.Tensor, sin: paddle.Tensor, fn: str) -> None:
+def check_tables(cos: paddle.Tensor, sin: paddle.Tensor, fn: str) -> None:
+    """Refuse trainable rotary tables: the fused RoPE (and the ops built on it) treat them as constants."""
     if paddle.is_grad_enabled():
         for name, table in (("cos", cos), ("sin", sin)):
             if not table.stop_gradient:
@@ -44,7 +45,7 @@ def apply_partial_rope(
 ) -> paddle.Tensor:
     """Rotate ``x[..., -rd:]`` of ``x`` [b, s, h, d] (or [b, s, d]) by cos/sin [s, rd/2] or [b, s, rd/2]."""
     kernel.check_args(x, cos, sin)
-    _check_tables(cos, sin, "apply_partial_rope")
+    check_tables(cos, sin, "apply_partial_rope")
     return _PartialRope.apply(x, cos, sin, bool(inverse))
 
 

@@ -59,38 +59,15 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def cases() -> list[dict]:
-    torch.manual_seed(0)
-    cos, sin = _tables(SEQ, PE // 2)
-    tables = _nbytes(cos) + _nbytes(sin)
+def _rope_cases(cos: torch.Tensor, sin: torch.Tensor, tables: int) -> list[dict]:
+    """RoPE on q and kv, out of place and in place (the pe channels only)."""
     q = torch.randn(1, SEQ, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
     q_inplace = q.clone()
     kv = torch.randn(1, SEQ, DIM, device="cuda", dtype=torch.bfloat16)
     kv_inplace = kv.clone()
-    out = torch.randn(1, SEQ, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
-    u, v = 0.1 * torch.randn(HEADS, HEADS // 4, device="cuda"), 0.1 * torch.randn(HEADS, HEADS // 4, device="cuda")
-    mix = (torch.eye(HEADS, device="cuda") + v @ u.T).to(torch.bfloat16)  # M = I + V U^T, cast like the reference
-    grad = torch.randn_like(out)
-    n_q, n_kv, n_out = _nbytes(q), _nbytes(kv), _nbytes(out)
+    n_q, n_kv = _nbytes(q), _nbytes(kv)
     q_shape = f"q [1,{SEQ},{HEADS},{DIM}] bf16, pe {PE}"
     kv_shape = f"kv [1,{SEQ},{DIM}] bf16, pe {PE}"
-    o_shape = f"O [1,{SEQ},{HEADS},{DIM}] bf16, M [{HEADS},{HEADS}], pe {PE}"
-
-    # Backward of the unfused path through torch autograd (graph built once, replayed), vs the fused op's
-    # backward: rebuild inv_rope(O) with the kernel, torch's matmul backward on it, the gradient rotation.
-    out_leaf = out.clone().requires_grad_(True)
-    mix_leaf = mix.clone().requires_grad_(True)
-    unfused_y = torch.matmul(mix_leaf, eager_rope(out_leaf, cos, sin, inverse=True))
-
-    def eager_backward():
-        return torch.autograd.grad(unfused_y, [out_leaf, mix_leaf], grad, retain_graph=True)
-
-    def fused_backward():
-        rotated = rope_kernel.rope(out, cos, sin, inverse=True).requires_grad_(True)
-        d_mix, d_rotated = torch.autograd.grad(torch.matmul(mix_leaf, rotated), [mix_leaf, rotated], grad)
-        return rope_kernel.rope_grad(d_rotated, cos, sin, inverse=True), d_mix
-
-    gemm_flops = 2 * SEQ * HEADS * HEADS * DIM
     return [
         {
             "name": "rope q fwd (out of place)",
@@ -127,6 +104,34 @@ def cases() -> list[dict]:
             "fused": lambda: rope_kernel.rope_(kv_inplace, cos, sin),
             "bytes_moved": 2 * n_kv * PE // DIM + tables,
         },
+    ]
+
+
+def _postmix_cases(cos: torch.Tensor, sin: torch.Tensor, tables: int) -> list[dict]:
+    """Inverse RoPE + VHA postmix, forward and backward."""
+    out = torch.randn(1, SEQ, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+    u, v = 0.1 * torch.randn(HEADS, HEADS // 4, device="cuda"), 0.1 * torch.randn(HEADS, HEADS // 4, device="cuda")
+    mix = (torch.eye(HEADS, device="cuda") + v @ u.T).to(torch.bfloat16)  # M = I + V U^T, cast like the reference
+    grad = torch.randn_like(out)
+    n_out = _nbytes(out)
+    o_shape = f"O [1,{SEQ},{HEADS},{DIM}] bf16, M [{HEADS},{HEADS}], pe {PE}"
+
+    # Backward of the unfused path through torch autograd (graph built once, replayed), vs the fused op's
+    # backward: rebuild inv_rope(O) with the kernel, torch's matmul backward on it, the gradient rotation.
+    out_leaf = out.clone().requires_grad_(True)
+    mix_leaf = mix.clone().requires_grad_(True)
+    unfused_y = torch.matmul(mix_leaf, eager_rope(out_leaf, cos, sin, inverse=True))
+
+    def eager_backward():
+        return torch.autograd.grad(unfused_y, [out_leaf, mix_leaf], grad, retain_graph=True)
+
+    def fused_backward():
+        rotated = rope_kernel.rope(out, cos, sin, inverse=True).requires_grad_(True)
+        d_mix, d_rotated = torch.autograd.grad(torch.matmul(mix_leaf, rotated), [mix_leaf, rotated], grad)
+        return rope_kernel.rope_grad(d_rotated, cos, sin, inverse=True), d_mix
+
+    gemm_flops = 2 * SEQ * HEADS * HEADS * DIM
+    return [
         {
             "name": "inv-rope + postmix fwd",
             "shape": o_shape + "; bytes: GEMM floor 2N (fused moves 2.75N)",
@@ -145,3 +150,11 @@ def cases() -> list[dict]:
             "flops": 2 * gemm_flops,
         },
     ]
+
+
+def cases() -> list[dict]:
+    """Every case at the production shape; the random inputs are drawn from one seed in a fixed order."""
+    torch.manual_seed(0)
+    cos, sin = _tables(SEQ, PE // 2)
+    tables = _nbytes(cos) + _nbytes(sin)
+    return _rope_cases(cos, sin, tables) + _postmix_cases(cos, sin, tables)

@@ -100,7 +100,7 @@ def cases() -> list[dict]:
 
 
 # --------------------------------------------------------------------------------------------------------
-# Tuning and order probe (one device call):  python scripts/bench/fusion_cases_k1.py --probe --sweep
+# Tuning and order probe (one device call):  python scripts/bench/cases_index_norm_sink.py --probe --sweep
 # --------------------------------------------------------------------------------------------------------
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
@@ -273,12 +273,13 @@ def main() -> None:
     args = parser.parse_args()
     from fleet_ext.ops.kv_idx_remap import kernel as remap_kernel
     from fleet_ext.ops.q_rms_norm import kernel as q_kernel
+    from fleet_ext.ops.q_rms_norm import kernel_order as q_order
 
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     checks = []
     if args.probe:
         vec_min_d, halving = probe(q_kernel)
-        q_kernel.TORCH_VEC_MIN_D, q_kernel.TORCH_WARP_HALVING = vec_min_d, halving
+        q_order.TORCH_VEC_MIN_D, q_order.TORCH_WARP_HALVING = vec_min_d, halving
         print(f"kernel vs eager torch with vec_min_d={vec_min_d} halving={halving}:")
         checks = check_kernels(q_kernel, [PROBE_SHAPES[i] for i in (0, 1, 2, 7, 8)], [torch.float32])
         checks += check_kernels(q_kernel, [(1, 16384, 64, 512)], [torch.bfloat16, torch.float32])

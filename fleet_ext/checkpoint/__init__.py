@@ -1,1 +1,0 @@
-"""fleet_ext.checkpoint (no Paddle import here; see DESIGN.md)."""

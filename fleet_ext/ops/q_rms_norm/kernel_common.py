@@ -1,0 +1,169 @@
+"""Device helpers shared by the q RMS norm kernels: the summation tree of an :class:`Order` and row I/O.
+
+``_row_sum`` / ``_combine`` / ``_lanes_tree`` reproduce a reduction order (``kernel_order.py``) exactly;
+``_tile`` / ``_put`` / ``_row_offsets`` / ``_narrow`` load and store row chunks. Device code only: no
+Paddle or torch import, nothing decided about the machine at import.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _halve(v, BLOCK_R: tl.constexpr, W: tl.constexpr):
+    """[R, W] -> [R, W/2]: v[:, :W/2] + v[:, W/2:] (shared-memory step / shfl_down by W/2).
+
+    A sum over an axis of two is one addition, and IEEE addition is commutative: exact whatever the layout.
+    """
+    return tl.sum(tl.reshape(v, [BLOCK_R, 2, W // 2]), axis=1)
+
+
+@triton.jit
+def _pair(v, BLOCK_R: tl.constexpr, W: tl.constexpr):
+    """[R, W] -> [R, W/2]: v[:, 0::2] + v[:, 1::2] (one level of the increasing-offset shuffle tree)."""
+    a, b = tl.split(tl.reshape(v, [BLOCK_R, W // 2, 2]))
+    return a + b
+
+
+@triton.jit
+def _lanes_tree(v, BLOCK_R: tl.constexpr, LANES: tl.constexpr, HALVING: tl.constexpr):
+    """[R, LANES] -> [R]: halves down to 32 lanes (block_x_reduce's shared memory), then the warp tree:
+    halves again (HALVING, shfl_down offsets 16 .. 1) or adjacent pairs (offsets 1 .. 16)."""
+    if LANES >= 512:
+        v = _halve(v, BLOCK_R, 512)
+    if LANES >= 256:
+        v = _halve(v, BLOCK_R, 256)
+    if LANES >= 128:
+        v = _halve(v, BLOCK_R, 128)
+    if LANES >= 64:
+        v = _halve(v, BLOCK_R, 64)
+    if HALVING:
+        if LANES >= 32:
+            v = _halve(v, BLOCK_R, 32)
+        if LANES >= 16:
+            v = _halve(v, BLOCK_R, 16)
+        if LANES >= 8:
+            v = _halve(v, BLOCK_R, 8)
+        if LANES >= 4:
+            v = _halve(v, BLOCK_R, 4)
+        if LANES >= 2:
+            v = _halve(v, BLOCK_R, 2)
+    else:
+        if LANES >= 32:
+            v = _pair(v, BLOCK_R, 32)
+        if LANES >= 16:
+            v = _pair(v, BLOCK_R, 16)
+        if LANES >= 8:
+            v = _pair(v, BLOCK_R, 8)
+        if LANES >= 4:
+            v = _pair(v, BLOCK_R, 4)
+        if LANES >= 2:
+            v = _pair(v, BLOCK_R, 2)
+    return tl.reshape(v, [BLOCK_R])
+
+
+@triton.jit
+def _combine(acc, BLOCK_R: tl.constexpr, LANES: tl.constexpr, NACC: tl.constexpr, ACC_INNER: tl.constexpr,
+             HALVING: tl.constexpr):
+    """[R, LANES * NACC] chunk accumulators -> [R]: each lane's NACC accumulators left to right, then the lanes."""
+    if NACC == 4:
+        if ACC_INNER:  # chunk element = lane * 4 + k (vectorised loads)
+            quad = tl.reshape(acc, [BLOCK_R, LANES, 2, 2])
+        else:  # chunk element = k * LANES + lane (accumulator k takes step k of every 4)
+            quad = tl.reshape(tl.permute(tl.reshape(acc, [BLOCK_R, 4, LANES]), (0, 2, 1)), [BLOCK_R, LANES, 2, 2])
+        even, odd = tl.split(quad)  # k = 0, 2 and k = 1, 3
+        k0, k2 = tl.split(even)
+        k1, k3 = tl.split(odd)
+        lanes = ((k0 + k1) + k2) + k3
+    else:
+        lanes = tl.reshape(acc, [BLOCK_R, LANES])
+    return _lanes_tree(lanes, BLOCK_R, LANES, HALVING)
+
+
+@triton.jit
+def _row_sum(
+    a_ptr, a_row, a_sd, b_ptr, b_row, b_sd, row_mask,
+    SQUARE: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr,
+    LANES: tl.constexpr, NACC: tl.constexpr, ACC_INNER: tl.constexpr, HALVING: tl.constexpr,
+):
+    """sum_j a[r, j] * b[r, j] (or a^2 with SQUARE) in fp32, in the order (LANES, NACC, ACC_INNER, HALVING).
+
+    Streams the row chunk by chunk (any width); the one-pass kernels below keep the row in registers instead.
+    """
+    C: tl.constexpr = LANES * NACC
+    NCHUNK: tl.constexpr = (D + C - 1) // C
+    cols = tl.arange(0, C)
+    acc = tl.zeros([BLOCK_R, C], dtype=tl.float32)
+    if NCHUNK <= 16:
+        for i in tl.static_range(NCHUNK):
+            col = i * C + cols
+            mask = row_mask[:, None] & (col < D)[None, :]
+            a = tl.load(a_ptr + a_row[:, None] + col[None, :] * a_sd, mask=mask, other=0.0).to(tl.float32)
+            if SQUARE:
+                acc = acc + a * a
+            else:
+                b = tl.load(b_ptr + b_row[:, None] + col[None, :] * b_sd, mask=mask, other=0.0).to(tl.float32)
+                acc = acc + b * a
+    else:
+        for i in range(NCHUNK):
+            col = i * C + cols
+            mask = row_mask[:, None] & (col < D)[None, :]
+            a = tl.load(a_ptr + a_row[:, None] + col[None, :] * a_sd, mask=mask, other=0.0).to(tl.float32)
+            if SQUARE:
+                acc = acc + a * a
+            else:
+                b = tl.load(b_ptr + b_row[:, None] + col[None, :] * b_sd, mask=mask, other=0.0).to(tl.float32)
+                acc = acc + b * a
+    return _combine(acc, BLOCK_R, LANES, NACC, ACC_INNER, HALVING)
+
+
+@triton.jit
+def _narrow(v, dtype: tl.constexpr, DOWNCAST: tl.constexpr):
+    if DOWNCAST:
+        r = v.to(dtype, fp_downcast_rounding="rtne")
+    else:
+        r = v.to(dtype)
+    return r
+
+
+@triton.jit
+def _row_offsets(rows, S, H, s_b, s_s, s_h, FLAT_ROWS: tl.constexpr):
+    """Element offset of each row's first entry; FLAT_ROWS: rows are uniformly strided (s_b = S*s_s, s_s = H*s_h)."""
+    if FLAT_ROWS:
+        off = rows * s_h
+    else:
+        sh = S * H
+        b = rows // sh
+        rem = rows - b * sh
+        s = rem // H
+        h = rem - s * H
+        off = b * s_b + s * s_s + h * s_h
+    return off
+
+
+@triton.jit
+def _tile(ptr, row_off, s_d, row_mask, T: tl.constexpr, C: tl.constexpr, D: tl.constexpr, STREAM: tl.constexpr):
+    """Chunk T of each row (columns T*C .. T*C + C - 1) as fp32 [R, C]; zeros past the row."""
+    col = T * C + tl.arange(0, C)
+    mask = row_mask[:, None] & (col < D)[None, :]
+    ptrs = ptr + row_off[:, None] + col[None, :] * s_d
+    if STREAM:  # read once: do not keep it in L2
+        v = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+    else:
+        v = tl.load(ptrs, mask=mask, other=0.0)
+    return v.to(tl.float32)
+
+
+@triton.jit
+def _put(ptr, rows, v, row_mask, T: tl.constexpr, C: tl.constexpr, D: tl.constexpr, DOWNCAST: tl.constexpr,
+         STREAM: tl.constexpr):
+    """Store chunk T of contiguous [rows, D] output rows, rounded once to the output dtype."""
+    col = T * C + tl.arange(0, C)
+    mask = row_mask[:, None] & (col < D)[None, :]
+    out = _narrow(v, ptr.dtype.element_ty, DOWNCAST)
+    if STREAM:
+        tl.store(ptr + rows[:, None] * D + col[None, :], out, mask=mask, cache_modifier=".cs")
+    else:
+        tl.store(ptr + rows[:, None] * D + col[None, :], out, mask=mask)

@@ -1,0 +1,256 @@
+"""Device code of the deterministic sparse-attention backward (steps 1-5 of ``kernel.py``'s docstring).
+
+No floating-point atomics: every sum has one fixed order. Device code only: this module imports neither
+Paddle nor torch and decides nothing about the machine at import.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from fleet_ext.ops.sparse_attn.kernel_fwd import LOG2E, _unchain
+
+
+# ------------------------------------------------------------------------------------------------------
+# Backward 1: delta = rowsum(dO * O) - dLSE and d_sink partials per block of queries
+# ------------------------------------------------------------------------------------------------------
+@triton.jit
+def _bwd_preprocess_kernel(
+    OUT, DOUT, LSE, DLSE, SINK, DELTA, DSINK_PART,
+    T, H,
+    D_V: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HAS_DLSE: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs_h < H
+    offs_d = tl.arange(0, D_V)
+    sink = tl.load(SINK + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+    part = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for i in range(0, BLOCK_T):
+        t = pid_t.to(tl.int64) * BLOCK_T + i
+        ok = h_ok & (t < T)
+        rows = (t * H + offs_h)[:, None] * D_V + offs_d[None, :]
+        o = tl.load(OUT + rows, mask=ok[:, None], other=0.0).to(tl.float32)
+        do = tl.load(DOUT + rows, mask=ok[:, None], other=0.0).to(tl.float32)
+        delta = tl.sum(o * do, 1)
+        if HAS_DLSE:
+            delta = delta - tl.load(DLSE + t * H + offs_h, mask=ok, other=0.0).to(tl.float32)
+        lse = tl.load(LSE + t * H + offs_h, mask=ok, other=float("inf"))
+        p_sink = tl.math.exp2((sink - lse) * LOG2E)
+        part = part - tl.where(ok, p_sink * delta, 0.0)
+        tl.store(DELTA + t * H + offs_h, delta, mask=ok)
+    tl.store(DSINK_PART + pid_t.to(tl.int64) * H + offs_h, part, mask=h_ok)
+
+
+@triton.jit
+def _dsink_reduce_kernel(DSINK_PART, DSINK, NB, H, BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr):
+    pid_h = tl.program_id(0)
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_b = tl.arange(0, BLOCK_B)
+    acc = tl.zeros([BLOCK_B, BLOCK_H], dtype=tl.float32)
+    for b0 in range(0, NB, BLOCK_B):
+        b = b0 + offs_b
+        ok = (b < NB)[:, None] & (offs_h < H)[None, :]
+        acc += tl.load(DSINK_PART + b.to(tl.int64)[:, None] * H + offs_h[None, :], mask=ok, other=0.0)
+    tl.store(DSINK + offs_h, tl.sum(acc, 0), mask=offs_h < H)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Backward 2: dq (query-major), P and dS to the pair buffers
+# ------------------------------------------------------------------------------------------------------
+@triton.jit
+def _bwd_dq_kernel(
+    Q, KV, DOUT, IDX, TOPK_LEN, LSE, DELTA, DQ, P_BUF, DS_BUF,
+    H, N, K, t_begin, qk_scale, scale, H_PAD,
+    stride_qt, stride_qh, stride_kvn, stride_it, stride_dot, stride_doh,
+    D_V: tl.constexpr, D_TAIL: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN_H: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, PREC: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    tl_local = pid_t.to(tl.int64)
+    t = t_begin + tl_local
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs_h < H
+    offs_d = tl.arange(0, D_V)
+    offs_n = tl.arange(0, BLOCK_N)
+
+    q_rows = Q + t * stride_qt + offs_h[:, None] * stride_qh
+    do_rows = DOUT + t * stride_dot + offs_h[:, None] * stride_doh
+    if EVEN_H:
+        q = tl.load(q_rows + offs_d[None, :])
+        do = tl.load(do_rows + offs_d[None, :])
+    else:
+        q = tl.load(q_rows + offs_d[None, :], mask=h_ok[:, None], other=0.0)
+        do = tl.load(do_rows + offs_d[None, :], mask=h_ok[:, None], other=0.0)
+    if D_TAIL > 0:
+        offs_e = D_V + tl.arange(0, D_TAIL)
+        if EVEN_H:
+            q_e = tl.load(q_rows + offs_e[None, :])
+        else:
+            q_e = tl.load(q_rows + offs_e[None, :], mask=h_ok[:, None], other=0.0)
+        dq_e = tl.zeros([BLOCK_H, D_TAIL], dtype=tl.float32)
+    # padded heads: lse = +inf -> P = 0, delta = 0 -> dS = 0 (exact)
+    lse2 = tl.load(LSE + t * H + offs_h, mask=h_ok, other=float("inf")) * LOG2E
+    delta = tl.load(DELTA + t * H + offs_h, mask=h_ok, other=0.0)
+    dq = tl.zeros([BLOCK_H, D_V], dtype=tl.float32)
+
+    n_valid = K
+    if HAS_TOPK_LEN:
+        n_valid = tl.minimum(tl.maximum(tl.load(TOPK_LEN + t).to(tl.int32), 0), K)
+    idx_row = IDX + t * stride_it
+    live = K >= 0
+    for start in range(0, n_valid, BLOCK_N):
+        kk = start + offs_n
+        k_ok = kk < n_valid
+        ids = tl.load(idx_row + kk, mask=k_ok, other=-1)
+        ok = (ids >= 0) & (ids < N)
+        rows = tl.where(ok, ids, 0).to(tl.int64) * stride_kvn
+        kv = tl.load(KV + rows[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)
+        if D_TAIL > 0:
+            kv_e = tl.load(KV + rows[:, None] + offs_e[None, :], mask=ok[:, None], other=0.0)
+            s = _unchain(tl.dot(q_e, tl.trans(kv_e), input_precision=PREC), live)
+            s = tl.dot(q, tl.trans(kv), s, input_precision=PREC)
+        else:
+            s = tl.dot(q, tl.trans(kv), input_precision=PREC)
+        p = tl.math.exp2(s * qk_scale - lse2[:, None])
+        p = tl.where(ok[None, :], p, 0.0)
+        dp = tl.dot(do, tl.trans(kv), input_precision=PREC)
+        ds = (p * (dp - delta[:, None]) * scale).to(kv.dtype)
+        ds = _unchain(ds, live)  # S and dP stay off the all-warps-along-M layout (see _unchain)
+        dq = tl.dot(ds, kv, dq, input_precision=PREC)
+        if D_TAIL > 0:
+            dq_e = tl.dot(ds, kv_e, dq_e, input_precision=PREC)
+        pair = (tl_local * K + kk)[None, :] * H_PAD + offs_h[:, None]
+        tl.store(P_BUF + pair, p.to(P_BUF.dtype.element_ty), mask=k_ok[None, :])
+        tl.store(DS_BUF + pair, ds.to(DS_BUF.dtype.element_ty), mask=k_ok[None, :])
+
+    dq_rows = DQ + t * stride_qt + offs_h[:, None] * stride_qh
+    if EVEN_H:
+        tl.store(dq_rows + offs_d[None, :], dq.to(DQ.dtype.element_ty))
+    else:
+        tl.store(dq_rows + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=h_ok[:, None])
+    if D_TAIL > 0:
+        if EVEN_H:
+            tl.store(dq_rows + offs_e[None, :], dq_e.to(DQ.dtype.element_ty))
+        else:
+            tl.store(dq_rows + offs_e[None, :], dq_e.to(DQ.dtype.element_ty), mask=h_ok[:, None])
+
+
+# ------------------------------------------------------------------------------------------------------
+# Backward 3: per-pair dkv contributions dS^T Q_t + P^T dO_t, reducing over all heads
+# ------------------------------------------------------------------------------------------------------
+@triton.jit
+def _bwd_dkv_partial_kernel(
+    Q, DOUT, TOPK_LEN, P_BUF, DS_BUF, PART,
+    H, K, t_begin, H_PAD,
+    stride_qt, stride_qh, stride_dot, stride_doh, stride_part,
+    D_V: tl.constexpr, D_TAIL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_HP: tl.constexpr,
+    BLOCK_D: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, PREC: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    tl_local = pid_t.to(tl.int64)
+    t = t_begin + tl_local
+    n_valid = K
+    if HAS_TOPK_LEN:
+        n_valid = tl.minimum(tl.maximum(tl.load(TOPK_LEN + t).to(tl.int32), 0), K)
+        if pid_m * BLOCK_M >= n_valid:  # the whole slot block is past the row's bound: nothing to write
+            return
+    kk = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    k_ok = kk < n_valid
+    offs_hp = tl.arange(0, BLOCK_HP)
+    hp_ok = offs_hp < H
+    pair = tl_local * K + kk
+    buf = pair[:, None] * H_PAD + offs_hp[None, :]
+    buf_ok = k_ok[:, None] & (offs_hp < H_PAD)[None, :]
+    ds = tl.load(DS_BUF + buf, mask=buf_ok, other=0.0)
+    p = tl.load(P_BUF + buf, mask=buf_ok, other=0.0)
+    part_rows = PART + pair[:, None] * stride_part
+    q_rows = Q + t * stride_qt + offs_hp[:, None] * stride_qh
+    do_rows = DOUT + t * stride_dot + offs_hp[:, None] * stride_doh
+    for d0 in range(0, D_V, BLOCK_D):
+        offs_c = d0 + tl.arange(0, BLOCK_D)
+        qc = tl.load(q_rows + offs_c[None, :], mask=hp_ok[:, None], other=0.0)
+        doc = tl.load(do_rows + offs_c[None, :], mask=hp_ok[:, None], other=0.0)
+        acc = tl.dot(ds, qc, input_precision=PREC)
+        acc = tl.dot(p, doc, acc, input_precision=PREC)
+        tl.store(part_rows + offs_c[None, :], acc.to(PART.dtype.element_ty), mask=k_ok[:, None])
+    if D_TAIL > 0:
+        offs_e = D_V + tl.arange(0, D_TAIL)
+        qe = tl.load(q_rows + offs_e[None, :], mask=hp_ok[:, None], other=0.0)
+        acc_e = tl.dot(ds, qe, input_precision=PREC)
+        tl.store(part_rows + offs_e[None, :], acc_e.to(PART.dtype.element_ty), mask=k_ok[:, None])
+
+
+# ------------------------------------------------------------------------------------------------------
+# Backward 4: transposed index (CSR) — keys, then (after a stable sort) row pointers
+# ------------------------------------------------------------------------------------------------------
+@triton.jit
+def _csr_keys_kernel(IDX, TOPK_LEN, KEYS, N, K, t_begin, stride_it, BLOCK: tl.constexpr, HAS_TOPK_LEN: tl.constexpr):
+    pid_t = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    tl_local = pid_t.to(tl.int64)
+    t = t_begin + tl_local
+    kk = pid_k * BLOCK + tl.arange(0, BLOCK)
+    n_valid = K
+    if HAS_TOPK_LEN:
+        n_valid = tl.minimum(tl.maximum(tl.load(TOPK_LEN + t).to(tl.int32), 0), K)
+    ids = tl.load(IDX + t * stride_it + kk, mask=kk < n_valid, other=-1)
+    ok = (ids >= 0) & (ids < N)
+    tl.store(KEYS + tl_local * K + kk, tl.where(ok, ids, N).to(tl.int32), mask=kk < K)
+
+
+@triton.jit
+def _csr_rowptr_kernel(SORTED, ROWPTR, NPAIRS, NROWS, STEPS: tl.constexpr, BLOCK: tl.constexpr):
+    """rowptr[j] = first position p with sorted[p] >= j (lower bound), j = 0 .. NROWS - 1."""
+    j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    lo = tl.zeros([BLOCK], dtype=tl.int64)
+    hi = tl.zeros([BLOCK], dtype=tl.int64) + NPAIRS
+    for _ in range(STEPS):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        v = tl.load(SORTED + mid, mask=active, other=0)
+        go_right = active & (v < j)
+        lo = tl.where(go_right, mid + 1, lo)
+        hi = tl.where(active & (v >= j), mid, hi)
+    tl.store(ROWPTR + j, lo, mask=j < NROWS)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Backward 5: dkv row j = sum of its pairs' contributions in CSR order (+ previous chunks)
+# ------------------------------------------------------------------------------------------------------
+@triton.jit
+def _bwd_dkv_reduce_kernel(
+    PART, ORDER, ROWPTR, ACC, OUT, stride_part,
+    D_V: tl.constexpr, D_TAIL: tl.constexpr, BLOCK_P: tl.constexpr, ACCUMULATE: tl.constexpr,
+):
+    j = tl.program_id(0).to(tl.int64)
+    start = tl.load(ROWPTR + j)
+    end = tl.load(ROWPTR + j + 1)
+    offs_p = tl.arange(0, BLOCK_P)
+    offs_d = tl.arange(0, D_V)
+    acc = tl.zeros([BLOCK_P, D_V], dtype=tl.float32)
+    if D_TAIL > 0:
+        offs_e = D_V + tl.arange(0, D_TAIL)
+        acc_e = tl.zeros([BLOCK_P, D_TAIL], dtype=tl.float32)
+    for p0 in range(start, end, BLOCK_P):
+        pos = p0 + offs_p
+        p_ok = pos < end
+        src = tl.load(ORDER + pos, mask=p_ok, other=0).to(tl.int64) * stride_part
+        acc += tl.load(PART + src[:, None] + offs_d[None, :], mask=p_ok[:, None], other=0.0).to(tl.float32)
+        if D_TAIL > 0:
+            acc_e += tl.load(PART + src[:, None] + offs_e[None, :], mask=p_ok[:, None], other=0.0).to(tl.float32)
+    total = tl.sum(acc, 0)
+    row = j * stride_part
+    if ACCUMULATE:
+        total = tl.load(ACC + row + offs_d) + total
+    tl.store(OUT + row + offs_d, total.to(OUT.dtype.element_ty))
+    if D_TAIL > 0:
+        total_e = tl.sum(acc_e, 0)
+        if ACCUMULATE:
+            total_e = tl.load(ACC + row + offs_e) + total_e
+        tl.store(OUT + row + offs_e, total_e.to(OUT.dtype.element_ty))
