@@ -9,6 +9,7 @@ import pytest
 
 from fleet_ext import config as cfg
 from fleet_ext.config import TrainingConfig, load_config
+from fleet_ext.layer_kinds import kinds_of
 from fleet_ext.training.cli import parse_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -116,7 +117,7 @@ def test_shipped_training_yamls_validate_and_document_every_key(path):
             section = header.group(1)
             assert section in cfg.SECTIONS, f"{path.name}: unknown section header {line!r}"
             continue
-        if not line.strip() or line.startswith("#"):
+        if not line.strip() or line.lstrip().startswith("#"):  # blank, or a (continued) comment line
             continue
         key = line.split(":", 1)[0]
         assert "#" in line.split(":", 1)[1], f"{path.name}: `{key}` has no comment"
@@ -133,7 +134,7 @@ def test_tiny_yaml_matches_the_packaged_model_yaml():
         load_config(ROOT / "fleet_ext" / "configs" / "dsv4_tiny_cpu.yaml"),
     )
     assert train.model == model.model and train.moe == model.moe
-    kinds = {cfg.layer_kind(r) for r in train.model.csa_compress_ratios}
+    kinds = {kind.value for kind in kinds_of(train.model)}
     assert kinds == {"window", "csa", "hca"} and train.moe.moe_n_hash_layers >= 1
     assert train.model.enable_hyper_connections and train.model.params_dtype == "float32"
 
@@ -149,3 +150,19 @@ def test_gpu_yaml_is_production_shaped_and_refused_on_cpu():
     if not paddle.is_compiled_with_cuda():
         with pytest.raises(ValueError, match=r"`bf16` = True cannot run on this machine.*Fix: set `bf16: false`"):
             check_runtime(c)
+    else:
+        check_runtime(c)
+
+
+def test_config_only_rules_fail_before_the_runtime_check():
+    """The trainer's runtime check holds machine rules only: these need only the config and fail in load_config."""
+    tiny = ROOT / "configs" / "dsv4_tiny_cpu.yaml"
+    with pytest.raises(ValueError, match=r"`params_dtype` = 'bfloat16' is invalid: allowed one of \['float32'\]"):
+        load_config(tiny, params_dtype="bfloat16")
+    c = load_config(tiny)
+    too_long = c.model.max_position_embeddings + 1
+    with pytest.raises(ValueError, match=rf"`max_seq_len` = {too_long} is invalid: allowed <= max_position_embeddings"):
+        load_config(tiny, max_seq_len=too_long)
+    from fleet_ext.training.trainer import check_runtime
+
+    check_runtime(c)  # fp32 on any machine: nothing left to refuse

@@ -1,0 +1,36 @@
+"""The ``fusion`` section: fusion switches (PaddleFleet names), all off by default.
+
+Whether a switch can ever run with the rest of the config is the registry's call
+(``fleet_ext.registry.config_errors``, asked by the config tree); whether it can run on this
+machine is decided by the backend provider at build time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fleet_ext.config.fields import Section, key_field
+
+__all__ = ["FusionConfig"]
+
+_key = key_field
+
+
+@dataclass
+class FusionConfig(Section):
+    """Fusion switches (PaddleFleet names). All default off; a switch is either honoured or raises."""
+
+    apply_rope_fusion: bool = _key(False, "Triton partial interleaved RoPE (forward and inverse).")
+    fuse_inv_rope_into_vha_postmix: bool = _key(False, "Inverse RoPE fused into the ungrouped VHA postmix.")
+    sparse_attn_global_kv_idx_remap_fusion: bool = _key(False, "Triton local -> flat-global KV index remap.")
+    dsa_sink_grad_fusion: bool = _key(False, "Triton deterministic attention-sink gradient.")
+    dsv4_q_rms_norm_fusion: bool = _key(False, "Triton weightless per-head q RMS norm.")
+    use_fused_mhc: bool = _key(False, "Fused mHC pre/post/Sinkhorn kernels.")
+    csa_sparse_attn_backend: str = _key("unfused", "Sparse attention of DSv4 layers.", ("unfused", "triton"))
+    mqa_sparse_attn_backend: str = _key("unfused", "Sparse attention of -2 layers.", ("unfused", "triton"))
+    mqa_sparse_attn_backward_backend: str = _key(
+        "triton",
+        "Backward of the triton sparse-attention backends: the deterministic (atomic-free, byte-identical run to "
+        "run) Triton kernel; PaddleFleet's atomic cuDNN backward is not built.",
+        ("triton",),
+    )
