@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import assert_bitwise
+from helpers.torch_rope import eager_rope
 
 from fleet_ext import capability
 
@@ -32,22 +34,6 @@ def kernels():
     from fleet_ext.ops.rope import kernel as rope_kernel
 
     return postmix_kernel, rope_kernel
-
-
-def eager_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """The Paddle reference's RoPE op sequence in eager torch (as in test_rope_gpu.py)."""
-    rope_dim = 2 * cos.shape[-1]
-    if cos.ndim == 2:
-        cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
-    if x.ndim == 4:
-        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-    if inverse:
-        sin = -sin
-    nope = x[..., : x.shape[-1] - rope_dim]
-    rope = x[..., x.shape[-1] - rope_dim :].float()
-    even, odd = rope[..., 0::2], rope[..., 1::2]
-    rotated = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).reshape(rope.shape)
-    return torch.cat([nope, rotated.to(x.dtype)], dim=-1)
 
 
 def unfused(out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
@@ -70,15 +56,6 @@ def _problem(b, s, h, d, rope_dim, dtype, seed=0):
         "mix": (torch.eye(h) + v @ u.T).to(DEVICE),
         "grad": torch.randn(b, s, h, d, generator=g).to(dtype).to(DEVICE),
     }
-
-
-def _assert_bitwise(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    assert got.dtype == want.dtype and got.shape == want.shape, f"{what}: {got.dtype}{list(got.shape)}"
-    int_type = torch.int16 if got.element_size() == 2 else torch.int32
-    same = got.contiguous().view(int_type) == want.contiguous().view(int_type)
-    if not bool(same.all()):
-        diff = (got.float() - want.float()).abs().max().item()
-        raise AssertionError(f"{what}: {int((~same).sum())} of {same.numel()} differ, max |diff| {diff:.3e}")
 
 
 SHAPES = [  # (b, s, h, d, rope_dim)
@@ -104,10 +81,10 @@ def test_cublas_column_slice_property_at_the_split(kernels, dtype, b, s, h, d, r
     p = _problem(b, s, h, d, rope_dim, dtype)
     mix, x = p["mix"].to(dtype), p["out"]
     full = torch.matmul(mix, x)
-    _assert_bitwise(torch.matmul(mix, x[..., start:].contiguous()), full[..., start:], "split-N GEMM")
+    assert_bitwise(torch.matmul(mix, x[..., start:].contiguous()), full[..., start:], "split-N GEMM")
     y = x.clone()
     y[..., start:] = torch.flip(y[..., start:], dims=[-1])
-    _assert_bitwise(torch.matmul(mix, y)[..., :start], full[..., :start], "column independence")
+    assert_bitwise(torch.matmul(mix, y)[..., :start], full[..., :start], "column independence")
 
 
 @pytest.mark.parametrize("b,s,h,d,rope_dim", SHAPES)
@@ -117,8 +94,8 @@ def test_fused_forward_is_bitwise_equal_to_the_unfused_path(kernels, dtype, b, s
     p = _problem(b, s, h, d, rope_dim, dtype)
     saved = p["out"].clone()
     got = postmix_kernel.inv_rope_postmix_forward(p["out"], p["cos"], p["sin"], p["mix"].to(dtype), torch.matmul)
-    _assert_bitwise(got, unfused(p["out"], p["cos"], p["sin"], p["mix"]), "forward")
-    _assert_bitwise(p["out"], saved, "attention output untouched")
+    assert_bitwise(got, unfused(p["out"], p["cos"], p["sin"], p["mix"]), "forward")
+    assert_bitwise(p["out"], saved, "attention output untouched")
 
 
 @pytest.mark.parametrize("b,s,h,d,rope_dim", [(1, 16384, 64, 512, 64), (2, 37, 3, 24, 8), (2, 136, 4, 16, 8)])
@@ -131,12 +108,12 @@ def test_backward_pieces_are_bitwise_equal_to_autograd_of_the_unfused_path(kerne
     mix = p["mix"].clone().requires_grad_(True)
     want_out, want_mix = torch.autograd.grad(unfused(out, p["cos"], p["sin"], mix), [out, mix], p["grad"])
     rotated = rope_kernel.rope(p["out"], p["cos"], p["sin"], inverse=True)
-    _assert_bitwise(rotated, eager_rope(p["out"], p["cos"], p["sin"], inverse=True), "rebuilt rotation")
+    assert_bitwise(rotated, eager_rope(p["out"], p["cos"], p["sin"], inverse=True), "rebuilt rotation")
     mix_leaf = p["mix"].clone().requires_grad_(True)
     rotated.requires_grad_(True)
     d_mix, d_rotated = torch.autograd.grad(torch.matmul(mix_leaf.to(dtype), rotated), [mix_leaf, rotated], p["grad"])
-    _assert_bitwise(d_mix, want_mix, "d_mix")
-    _assert_bitwise(rope_kernel.rope_grad(d_rotated, p["cos"], p["sin"], inverse=True), want_out, "d_out")
+    assert_bitwise(d_mix, want_mix, "d_mix")
+    assert_bitwise(rope_kernel.rope_grad(d_rotated, p["cos"], p["sin"], inverse=True), want_out, "d_out")
     assert float(d_mix.abs().max()) > 0
 
 
@@ -171,4 +148,4 @@ def test_write_trailing_kernel(kernels, dtype):
     src = torch.randn(2, 37, 3, 8, device=DEVICE).to(dtype)
     want = dst.clone()
     want[..., 16:] = src
-    _assert_bitwise(postmix_kernel.write_trailing_(dst, src), want, "write_trailing_")
+    assert_bitwise(postmix_kernel.write_trailing_(dst, src), want, "write_trailing_")

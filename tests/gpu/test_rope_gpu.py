@@ -6,18 +6,27 @@ Run on the GPU benchmark machine (torch + Triton, no Paddle): ``pytest tests/gpu
   to fp32 on its own (numpy never contracts ``a*b - c*d``), the difference/sum rounded to fp32, the result
   narrowed with ml_dtypes (round to nearest even), which is what Paddle's eager RoPE does op by op.
 - The eager torch op sequence mirroring ``fleet_ext/ops/rope/reference.py`` (``x.float()``,
-  ``even*cos - odd*sin``, stack, cast, concat): separate CUDA kernels, one rounding per op.
+  ``even*cos - odd*sin``, stack, cast, concat; tests/helpers/torch_rope.py): separate CUDA kernels, one
+  rounding per op.
 - An FMA-contracted rotation differs from both (asserted), so these tests would catch a kernel whose
   products the compiler had fused; the kernel uses inline-PTX ``mul.rn`` / ``sub.rn`` / ``add.rn``.
+- The sm90 build's PTX (production configuration) holds no ``fma.`` while the same kernel with plain
+  operators does (the control), every product is a ``mul.rn.f32``, loads are 16-byte vectors.
 - Gradient (``kernel.rope_grad``): vs torch autograd of the eager sequence and vs the oracle's opposite
   rotation with Paddle autograd's ``-0.0 -> +0.0`` accumulation.
 """
 
 from __future__ import annotations
 
+import inspect
+import re
+
 import numpy as np
 import pytest
 import torch
+import triton
+from helpers import assert_bitwise
+from helpers.torch_rope import eager_rope
 
 from fleet_ext import capability
 
@@ -42,25 +51,6 @@ def _ml():
 
 # ---------------------------------------------------------------------------------------------------------------
 # references
-
-
-def eager_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """The Paddle reference's op sequence in eager torch."""
-    half = cos.shape[-1]
-    rope_dim = 2 * half
-    if cos.ndim == 2:
-        cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
-    if x.ndim == 4:
-        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-    if inverse:
-        sin = -sin
-    nope = x[..., : x.shape[-1] - rope_dim]
-    rope = x[..., x.shape[-1] - rope_dim :].float()
-    even, odd = rope[..., 0::2], rope[..., 1::2]
-    rot_even = even * cos - odd * sin
-    rot_odd = odd * cos + even * sin
-    rotated = torch.stack([rot_even, rot_odd], dim=-1).reshape(rope.shape).to(x.dtype)
-    return torch.cat([nope, rotated], dim=-1)
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
@@ -111,17 +101,6 @@ def _randn(shape, dtype, seed: int) -> torch.Tensor:
     return torch.randn(shape, generator=g, dtype=torch.float32).to(dtype).to(DEVICE)
 
 
-def _assert_bitwise(got: torch.Tensor, want, what: str) -> None:
-    if isinstance(want, np.ndarray):
-        want = torch.from_numpy(want).to(got.device).to(got.dtype)  # exact: the oracle's values are representable
-    assert got.dtype == want.dtype and got.shape == want.shape, f"{what}: {got.dtype}{list(got.shape)}"
-    int_type = torch.int16 if got.element_size() == 2 else torch.int32
-    same = got.contiguous().view(int_type) == want.contiguous().view(int_type)
-    if not bool(same.all()):
-        diff = (got.float() - want.float()).abs().max().item()
-        raise AssertionError(f"{what}: {int((~same).sum())} of {same.numel()} differ, max |diff| {diff:.3e}")
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # tests
 
@@ -143,8 +122,8 @@ def test_forward_is_bitwise_equal_to_oracle_and_eager(kernel, dtype, shape, rope
     cos_np, sin_np, cos, sin = _tables(shape[0], shape[1], rope_dim // 2, per_batch)
     x = _randn(shape, dtype, seed=1)
     got = kernel.rope(x, cos, sin, inverse=inverse)
-    _assert_bitwise(got, eager_rope(x, cos, sin, inverse), "vs eager torch")
-    _assert_bitwise(got, oracle_rope(_to_numpy(x), cos_np, sin_np, inverse, dtype), "vs NumPy oracle")
+    assert_bitwise(got, eager_rope(x, cos, sin, inverse), "vs eager torch")
+    assert_bitwise(got, oracle_rope(_to_numpy(x), cos_np, sin_np, inverse, dtype), "vs NumPy oracle")
     assert got.data_ptr() != x.data_ptr()
 
 
@@ -155,12 +134,12 @@ def test_production_q_shape(kernel, dtype, inverse):
     cos_np, sin_np, cos, sin = _tables(1, 16384, 32, per_batch=False)
     x = _randn((1, 16384, 64, 512), dtype, seed=2)
     got = kernel.rope(x, cos, sin, inverse=inverse)
-    _assert_bitwise(got, eager_rope(x, cos, sin, inverse), "vs eager torch")
+    assert_bitwise(got, eager_rope(x, cos, sin, inverse), "vs eager torch")
     want = oracle_rope(_to_numpy(x[:, :512]), cos_np[:512], sin_np[:512], inverse, dtype)
-    _assert_bitwise(got[:, :512], want, "vs NumPy oracle")
+    assert_bitwise(got[:, :512], want, "vs NumPy oracle")
     inplace = x.clone()
     assert kernel.rope_(inplace, cos, sin, inverse=inverse) is inplace
-    _assert_bitwise(inplace, got, "in place vs out of place")
+    assert_bitwise(inplace, got, "in place vs out of place")
 
 
 @pytest.mark.parametrize("inverse", [False, True], ids=["forward", "inverse"])
@@ -172,12 +151,12 @@ def test_gradient_is_bitwise_equal_to_autograd_and_oracle(kernel, dtype, shape, 
     grad = _randn(shape, dtype, seed=4)
     (want,) = torch.autograd.grad(eager_rope(x, cos, sin, inverse), [x], grad)
     got = kernel.rope_grad(grad, cos, sin, inverse=inverse)
-    _assert_bitwise(got, want, "vs torch autograd")
-    _assert_bitwise(got, oracle_rope(_to_numpy(grad), cos_np, sin_np, inverse, dtype, grad=True), "vs oracle")
+    assert_bitwise(got, want, "vs torch autograd")
+    assert_bitwise(got, oracle_rope(_to_numpy(grad), cos_np, sin_np, inverse, dtype, grad=True), "vs oracle")
     zeros = grad.clone()
     zeros[..., ::3] = -0.0  # Paddle autograd returns these as +0.0 (accumulated into zeros); so must the kernel
     got = kernel.rope_grad(zeros, cos, sin, inverse=inverse)
-    _assert_bitwise(got, oracle_rope(_to_numpy(zeros), cos_np, sin_np, inverse, dtype, grad=True), "signed zeros")
+    assert_bitwise(got, oracle_rope(_to_numpy(zeros), cos_np, sin_np, inverse, dtype, grad=True), "signed zeros")
     assert not bool(torch.signbit(got[..., : shape[-1] - rope_dim][zeros[..., : shape[-1] - rope_dim] == 0]).any())
 
 
@@ -191,9 +170,9 @@ def test_in_place_keeps_storage_and_nope_channels(kernel, dtype):
     ptr = base.data_ptr()
     kernel.rope_(view, cos, sin, inverse=True)
     assert base.data_ptr() == ptr
-    _assert_bitwise(base[..., 8:32], want, "rotated view")
-    _assert_bitwise(base[..., :24], original[..., :24], "nope channels and the left margin untouched")
-    _assert_bitwise(base[..., 32:], original[..., 32:], "right margin untouched")
+    assert_bitwise(base[..., 8:32], want, "rotated view")
+    assert_bitwise(base[..., :24], original[..., :24], "nope channels and the left margin untouched")
+    assert_bitwise(base[..., 32:], original[..., 32:], "right margin untouched")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -205,8 +184,8 @@ def test_non_contiguous_inputs(kernel, dtype):
     assert not x.is_contiguous() and not wide_cos.is_contiguous()
     got = kernel.rope(x, wide_cos, wide_sin, inverse=False)
     assert got.is_contiguous()
-    _assert_bitwise(got, eager_rope(x, cos, sin), "vs eager torch")
-    _assert_bitwise(got, oracle_rope(_to_numpy(x), cos_np, sin_np, False, dtype), "vs oracle")
+    assert_bitwise(got, eager_rope(x, cos, sin), "vs eager torch")
+    assert_bitwise(got, oracle_rope(_to_numpy(x), cos_np, sin_np, False, dtype), "vs oracle")
 
 
 def test_an_fma_contracted_rotation_would_be_caught(kernel):
@@ -219,4 +198,45 @@ def test_an_fma_contracted_rotation_would_be_caught(kernel):
     even, odd = x_np[..., 64::2].astype(np.float64), x_np[..., 65::2]
     fma = (even * cos_np[None, :, None].astype(np.float64) - np.multiply(odd, sin_np[None, :, None])).astype(np.float32)
     assert (fma != want[..., 64::2]).any(), "FMA and separate rounding agree everywhere: the test is vacuous"
-    _assert_bitwise(got, want, "kernel vs oracle")
+    assert_bitwise(got, want, "kernel vs oracle")
+
+
+def _production_ptx(kernel, dtype: str, use_ptx: bool) -> str:
+    """PTX of the RoPE kernel compiled for sm90 in the production configuration (q [1, 16384, 64, 512], pe 64).
+
+    Pointers and row strides carry the 16-byte divisibility Triton specialises them with for such tensors,
+    so the vector width is the production one.
+    """
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = kernel._rope_kernel
+    names = list(inspect.signature(fn.fn).parameters)
+    consts = dict(COPY_START=0, NOPE=448, SHIFT=0, HALF=32, INVERSE=True, ZERO_FIX=dtype == "bf16",
+                  DOWNCAST=dtype == "bf16", USE_PTX=use_ptx, x_sd=1, o_sd=1, c_sk=1, n_sk=1,
+                  **kernel._plan(16384 * 64, 512, 32, 0, True))
+    ptrs = {"x_ptr": "*" + dtype, "out_ptr": "*" + dtype, "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
+    sig = {n: ptrs.get(n, "constexpr" if n in consts else "i32") for n in names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in names
+                           if n in ptrs or n[1:] in ("_sb", "_ss", "_sh")})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_compiled_sm90_kernel_has_no_fma_and_rounds_every_product(kernel, dtype):
+    """The sm90 build contracts nothing into an FMA: every product is its own ``mul.rn`` (eager's rounding).
+
+    Control (non-vacuity): the same kernel built with plain operators (``USE_PTX=False``, what the
+    interpreter runs) does get FMAs from the compiler, so a PTX without ``fma.`` means the explicit
+    rounding modes did their job, not that there was nothing to contract.
+    """
+    assert kernel.USE_PTX, "on a GPU the kernel must take the inline-PTX route"
+    ptx = _production_ptx(kernel, dtype, use_ptx=True)
+    assert len(re.findall(r"\bfma\.", ptx)) == 0
+    assert ptx.count("mul.rn.f32") > 0
+    assert len(re.findall(r"ld\.global\.v4", ptx)) > 0  # 16-byte accesses
+    if dtype == "bf16":
+        assert len(re.findall(r"cvt\.rn\.bf16", ptx)) > 0  # round-to-nearest-even narrowing
+    control = _production_ptx(kernel, dtype, use_ptx=False)
+    assert len(re.findall(r"\bfma\.", control)) > 0, "plain operators were not contracted: the check is vacuous"

@@ -1,0 +1,22 @@
+"""The one shared test-helper package (DESIGN.md layout: ``tests/helpers``).
+
+- ``asserts``: ``assert_bitwise`` (byte for byte) and ``assert_close`` (a named tolerance);
+- ``tolerances``: one table per dtype, every loosening explained;
+- ``launches``: ``expect_launches``, proof that a fused kernel ran;
+- ``configs``: the tiny model configurations;
+- ``oracles``: independent float64 NumPy oracles (``from helpers import oracles as orc``);
+- ``torch_rope``: the RoPE reference's op sequence in eager torch.
+
+Importable from every test directory (tests/conftest.py puts ``tests/`` on ``sys.path``); imports neither
+Paddle nor torch, so tests/gpu can use it on a machine without Paddle.
+"""
+
+from .asserts import assert_bitwise, assert_close
+from .configs import DEFAULT_WIDTHS_2L, TINY_HYBRID_MLA, TINY_MODEL, tiny_model
+from .launches import expect_launches, launch_counts
+from .tolerances import TOLERANCES, Tol, tolerance
+
+__all__ = [
+    "DEFAULT_WIDTHS_2L", "TINY_HYBRID_MLA", "TINY_MODEL", "TOLERANCES", "Tol", "assert_bitwise", "assert_close",
+    "expect_launches", "launch_counts", "tiny_model", "tolerance",
+]
