@@ -1,4 +1,6 @@
-"""Every fusion in one table: switch, fused and reference callables, bitwise policy, CP/recompute safety.
+"""Every fusion in one table: switch, fused and reference callables, and its claims as data.
+
+A claim (bitwise equal per platform, CP-safe, recompute-safe) is "untested" until a named test earns it.
 
 The backend provider reads this table; the README's fusion table is generated from it; the config
 rejects a switch that has not landed or can never trigger with the rest of the config (DESIGN.md rule 3).
@@ -11,6 +13,8 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from fleet_ext.layer_kinds import LayerKind, kinds_of
 
 
 def _never(config: Any) -> str | None:
@@ -26,25 +30,115 @@ def _inv_rope_postmix_gate(config: Any) -> str | None:
         return "the fused op serves the ungrouped postmix only (vha_postmix_grouped is true)"
     if not config.fusion.apply_rope_fusion:
         return "it builds on the fused RoPE kernel: set apply_rope_fusion: true as well"
-    if all(r == -2 for r in m.csa_compress_ratios):
+    if all(kind is LayerKind.HYBRID_MLA for kind in kinds_of(m)):
         return "every layer is a -2 hybrid-MLA layer, which has no DSv4 inverse RoPE"
     return None
 
 
+YES, NO, UNTESTED = "yes", "no", "untested"
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One guarantee on one platform, as data (DESIGN.md rule 4).
+
+    ``yes`` is earned only by the tests named in ``tests`` (``path::function``; a test checks that they
+    exist); ``no`` says it does not hold (the fusion's tolerance applies instead; ``tests`` may name what
+    holds it to that tolerance); ``untested`` is the default: nothing has shown it either way.
+    """
+
+    verdict: str = UNTESTED
+    tests: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.verdict not in (YES, NO, UNTESTED):
+            raise ValueError(f"claim verdict {self.verdict!r}: expected one of {YES!r}, {NO!r}, {UNTESTED!r}")
+        if self.verdict == YES and not self.tests:
+            raise ValueError("a 'yes' claim must name the test that earns it (tests=('path::function',))")
+        bad = [t for t in self.tests if "::" not in t or not t.split("::", 1)[0].endswith(".py")]
+        if bad:
+            raise ValueError(f"claim tests {bad}: expected 'tests/<dir>/<file>.py::<test function>'")
+
+
+def _yes(*tests: str) -> Claim:
+    return Claim(YES, tests)
+
+
+def _no(*tests: str) -> Claim:
+    return Claim(NO, tests)
+
+
+# Where a bitwise claim can be verified: field of BitwiseClaims -> (short label, what is compared, test dir).
+PLATFORMS: dict[str, tuple[str, str, str | None]] = {
+    "cpu_fp32": ("CPU fp32", "Triton interpreter vs the pure-Paddle reference, fp32", "tests/single_card_tests/"),
+    "gpu": ("GPU (torch)", "compiled Triton vs the eager torch op sequence on the H200 (bf16, fp32), no Paddle",
+            "tests/gpu/"),
+    "paddle_gpu": ("Paddle GPU", "unverified: no Paddle GPU build has run the tests", None),
+}
+
+
+@dataclass(frozen=True)
+class BitwiseClaims:
+    """``bitwise equal to the unfused path``, qualified by the platform where it was verified (see PLATFORMS)."""
+
+    cpu_fp32: Claim = Claim()
+    gpu: Claim = Claim()
+    paddle_gpu: Claim = Claim()
+
+    def items(self) -> list[tuple[str, Claim]]:
+        return [(platform, getattr(self, platform)) for platform in PLATFORMS]
+
+    def text(self) -> str:
+        """``CPU fp32: yes, GPU (torch): yes, Paddle GPU: untested``."""
+        return ", ".join(f"{PLATFORMS[p][0]}: {c.verdict}" for p, c in self.items())
+
+
+CLAIMS_LEGEND = (
+    "claims: 'yes' = verified by the tests fleet_ext.registry names; 'no' = does not hold, the tolerance applies; "
+    "'untested' = no test yet (CP and recompute are not built); "
+    + "; ".join(f"{label} = {what}" for label, what, _ in PLATFORMS.values())
+)
+
+
+# The layer-level test every CPU bitwise claim rests on (DESIGN.md rule 4); it covers each switch whose CPU claim
+# is "yes" and fails if one is missing from its switch sets.
+_LAYER_BITWISE = (
+    "tests/single_card_tests/test_fusion_layer_bitwise.py::test_attention_layer_is_bitwise_equal_with_the_fusion"
+)
+
+
 @dataclass(frozen=True)
 class Fusion:
-    """One fusion: the switch, the two implementations and the guarantees the tests hold it to."""
+    """One fusion: the switch, the two implementations and the claims the tests hold it to."""
 
     switch: str
     summary: str
     fused: str
     reference: str
-    bitwise_equal: bool
+    bitwise: BitwiseClaims = BitwiseClaims()
     tolerance: str | None = None  # why not bitwise, and the bound the tests use
-    cp_safe: bool = True
-    recompute_safe: bool = True
+    cp_safe: Claim = Claim()  # earned by a CP test (none yet: context parallelism is not built)
+    recompute_safe: Claim = Claim()  # earned by a recompute test (none yet: recompute is not built)
     landed: bool = True
     config_gate: Callable[[Any], str | None] = _never
+
+    @property
+    def bitwise_equal(self) -> bool:
+        """Verified bitwise on CPU fp32, where CI runs the layer-level tests that select fusions by this."""
+        return self.bitwise.cpu_fp32.verdict == YES
+
+    def claims(self) -> list[tuple[str, Claim]]:
+        """Every claim with its name: ``bitwise/<platform>``, ``cp_safe``, ``recompute_safe``."""
+        return [(f"bitwise/{p}", c) for p, c in self.bitwise.items()] + [
+            ("cp_safe", self.cp_safe), ("recompute_safe", self.recompute_safe)]
+
+    def guarantee(self) -> str:
+        """The qualified claim in one line, for the start-up table."""
+        if self.bitwise_equal:
+            head = f"bitwise equal to the reference ({self.bitwise.text()})"
+        else:
+            head = f"not bitwise ({self.bitwise.text()}); tolerance: {self.tolerance or 'none documented'}"
+        return f"{head}; CP-safe: {self.cp_safe.verdict}; recompute-safe: {self.recompute_safe.verdict}"
 
     def load(self, which: str) -> Callable:
         """Import the ``fused`` or ``reference`` callable."""
@@ -61,21 +155,44 @@ FUSIONS: dict[str, Fusion] = {
             "whose B*seqlen_kv would wrap raises instead)",
             fused="fleet_ext.ops.kv_idx_remap.function:local_to_global_flat",
             reference="fleet_ext.ops.kv_idx_remap.reference:local_to_global_flat",
-            bitwise_equal=True,
+            bitwise=BitwiseClaims(
+                cpu_fp32=_yes("tests/single_card_tests/test_fusion_kv_idx_remap.py::test_matches_reference_and_oracle",
+                              _LAYER_BITWISE),
+                gpu=_yes("tests/gpu/test_kv_idx_remap_gpu.py::test_exact_vs_eager_and_oracle"),
+            ),
         ),
         Fusion(
             switch="apply_rope_fusion",
             summary="partial interleaved RoPE (forward and inverse) on the trailing qk_pos_emb_head_dim channels",
             fused="fleet_ext.ops.rope.function:apply_partial_rope",
             reference="fleet_ext.ops.rope.reference:apply_partial_rope",
-            bitwise_equal=True,
+            bitwise=BitwiseClaims(
+                cpu_fp32=_yes(
+                    "tests/single_card_tests/test_fusion_rope.py::"
+                    "test_forward_and_backward_are_bitwise_equal_to_the_reference",
+                    _LAYER_BITWISE,
+                ),
+                gpu=_yes("tests/gpu/test_rope_gpu.py::test_forward_is_bitwise_equal_to_oracle_and_eager",
+                         "tests/gpu/test_rope_gpu.py::test_gradient_is_bitwise_equal_to_autograd_and_oracle"),
+            ),
         ),
         Fusion(
             switch="fuse_inv_rope_into_vha_postmix",
             summary="inverse RoPE fused into the ungrouped VHA postmix (no full-width rotated intermediate)",
             fused="fleet_ext.ops.inv_rope_postmix.function:inv_rope_vha_postmix",
             reference="fleet_ext.ops.inv_rope_postmix.reference:inv_rope_vha_postmix",
-            bitwise_equal=True,
+            bitwise=BitwiseClaims(
+                cpu_fp32=_yes(
+                    "tests/single_card_tests/test_fusion_inv_rope_postmix.py::"
+                    "test_forward_and_gradients_are_bitwise_equal_to_the_reference",
+                    _LAYER_BITWISE,
+                ),
+                gpu=_yes(
+                    "tests/gpu/test_inv_rope_postmix_gpu.py::test_fused_forward_is_bitwise_equal_to_the_unfused_path",
+                    "tests/gpu/test_inv_rope_postmix_gpu.py::"
+                    "test_backward_pieces_are_bitwise_equal_to_autograd_of_the_unfused_path",
+                ),
+            ),
             config_gate=_inv_rope_postmix_gate,
         ),
         Fusion(
@@ -83,7 +200,15 @@ FUSIONS: dict[str, Fusion] = {
             summary="attention-sink gradient d_sink = -sum p_sink * rowsum(dO o O), deterministic",
             fused="fleet_ext.ops.sink_grad.function:sparse_attention_fused_sink_grad",
             reference="fleet_ext.ops.sparse_attn.reference:sparse_attention_with_sink",
-            bitwise_equal=False,
+            bitwise=BitwiseClaims(
+                cpu_fp32=_no(
+                    "tests/single_card_tests/test_fusion_sink_grad.py::"
+                    "test_attention_bitwise_except_d_sink_and_d_sink_vs_oracle",
+                    "tests/single_card_tests/test_fusion_layer_bitwise.py::"
+                    "test_sink_grad_fusion_matches_within_its_documented_tolerance",
+                ),
+                gpu=_no("tests/gpu/test_sink_grad_gpu.py::test_vs_oracle_and_eager"),
+            ),
             tolerance="out, lse, dq, dkv bitwise; d_sink deterministic but summed in a fixed block order, not "
             "autograd's: |err| <= 1e-5 * sum p_sink * (sum_d |dO*O| + |d_lse|)",
         ),
@@ -93,14 +218,19 @@ FUSIONS: dict[str, Fusion] = {
             "its vectorised estimate is position-dependent)",
             fused="fleet_ext.ops.q_rms_norm.function:q_rms_norm",
             reference="fleet_ext.ops.q_rms_norm.reference:q_rms_norm",
-            bitwise_equal=True,
+            bitwise=BitwiseClaims(
+                cpu_fp32=_yes(
+                    "tests/single_card_tests/test_fusion_q_rms_norm.py::test_bitwise_forward_and_backward_over_widths",
+                    _LAYER_BITWISE,
+                ),
+                gpu=_yes("tests/gpu/test_q_rms_norm_gpu.py::test_forward_and_backward_bitwise_vs_eager_torch"),
+            ),
         ),
         Fusion(
             switch="use_fused_mhc",
             summary="fused mHC pre/post/Sinkhorn",
             fused="",
             reference="fleet_ext.layers.mhc:HyperConnection",
-            bitwise_equal=False,
             landed=False,
         ),
     )
@@ -139,3 +269,29 @@ def config_errors(config: Any) -> list[tuple[str, Any, str, str]]:
             errors.append((switch, value, f"the {value} backend is not supported yet in fleet_ext",
                            f"set `{switch}: unfused`"))
     return errors
+
+
+def triton_switches(config: Any) -> list[tuple[str, Any]]:
+    """(switch, value) for every switch of ``config`` that resolves to a Triton kernel."""
+    on = [(s, True) for s, f in FUSIONS.items() if f.landed and getattr(config.fusion, s)]
+    return on + [(s, "triton") for s in BACKENDS if getattr(config.fusion, s) == "triton"]
+
+
+def check_capability(config: Any, cap: Any) -> None:
+    """Raise ``ValueError`` if a switch that is on cannot run on a machine with capability ``cap``.
+
+    The one gate for "can this machine run it": the backend provider calls it before resolving any slot,
+    and the pretraining start-up calls it with the config checks, before any model is built or process
+    group joined, so a job that cannot run fails at once with exit code 2. ``cap`` is a
+    ``fleet_ext.capability.Capability``; nothing is imported or built here.
+    """
+    switches = triton_switches(config)
+    reason = cap.triton_unusable_reason() if switches else None
+    if reason is None:
+        return
+    keys = ", ".join(f"`{s}` = {v!r}" for s, v in switches)
+    names = ", ".join(f"`{s}`" for s, _ in switches)
+    raise ValueError(
+        f"config key{'s' if len(switches) > 1 else ''} {keys} cannot run on this machine ({cap.describe()}): "
+        f"{reason}. Fix: install what is missing or set {names} off"
+    )

@@ -7,13 +7,15 @@
 A ``.yaml``/``.yml`` argument is a config: it is trained with ``scripts/pretrain.py`` into a fresh
 directory under ``--workdir`` (through ``paddle.distributed.launch`` when ``--nproc_per_node`` > 1);
 other ``--KEY VALUE`` arguments are passed to both runs. ``--assert-equal`` exits 1 on any difference
-(bitwise: the floats in metrics.jsonl round-trip exactly) or on a step present in one run only;
-``--rtol`` instead allows that relative difference.
+(bitwise: the floats in metrics.jsonl round-trip exactly) or on a step present in one run only.
+``--rtol R`` (with or without ``--assert-equal``) is enforced the same way: exit 1 when a step's relative
+difference exceeds R, naming the step and the difference. With neither, the table is only printed.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import subprocess
 import sys
@@ -60,22 +62,32 @@ def _run_config(config: str, outdir: Path, nproc: int, extra: list[str]) -> Path
     return outdir
 
 
-def compare(a: dict[int, float], b: dict[int, float], rtol: float | None) -> tuple[list[str], bool]:
-    """Table lines and whether the runs agree (bitwise when ``rtol`` is None)."""
+def compare(a: dict[int, float], b: dict[int, float], rtol: float | None) -> tuple[list[str], list[str]]:
+    """Table lines, and one message per step where the runs disagree (bitwise when ``rtol`` is None)."""
     lines = [f"{'step':>6}  {'loss A':>20}  {'loss B':>20}  {'abs diff':>10}  {'rel diff':>10}  equal"]
-    ok = True
+    failures = []
     for step in sorted(set(a) | set(b)):
         la, lb = a.get(step), b.get(step)
         if la is None or lb is None:
-            ok = False
+            failures.append(f"step {step}: present in run {'B' if la is None else 'A'} only")
             lines.append(f"{step:>6}  {la!s:>20}  {lb!s:>20}  {'-':>10}  {'-':>10}  missing")
             continue
         diff = abs(la - lb)
         rel = diff / max(abs(la), abs(lb), 1e-30)
-        same = la == lb if rtol is None else rel <= rtol
-        ok &= same
+        same = la == lb if rtol is None else rel <= rtol  # a NaN loss never agrees
+        if not same:
+            allowed = "bitwise equality" if rtol is None else f"rtol {rtol:g}"
+            failures.append(f"step {step}: loss A {la!r}, loss B {lb!r}: |A - B| = {diff:.6g}, relative "
+                            f"{rel:.6g} exceeds {allowed}")
         lines.append(f"{step:>6}  {la:>20.12g}  {lb:>20.12g}  {diff:>10.3g}  {rel:>10.3g}  {'yes' if same else 'NO'}")
-    return lines, ok
+    return lines, failures
+
+
+def _tolerance(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"--rtol {text}: expected a finite number >= 0")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("a", help="metrics.jsonl, an output dir, or a training YAML")
     parser.add_argument("b", help="metrics.jsonl, an output dir, or a training YAML")
     parser.add_argument("--assert-equal", action="store_true", help="exit 1 unless every step's loss is identical")
-    parser.add_argument("--rtol", type=float, default=None, help="with --assert-equal: allowed relative difference")
+    parser.add_argument(
+        "--rtol", type=_tolerance, default=None, help="exit 1 unless every step agrees within this relative difference"
+    )
     parser.add_argument("--nproc_per_node", type=int, default=1, help="processes per config run (launcher if > 1)")
     parser.add_argument("--workdir", default=None, help="where config runs write (default: a temporary directory)")
     args, extra = parser.parse_known_args(argv)
@@ -96,11 +110,18 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"extra arguments {extra} only apply when running configs")
         losses.append(train_losses(read_metrics(source)))
         print(f"{tag}: {source} ({len(losses[-1])} steps)")
-    lines, ok = compare(losses[0], losses[1], args.rtol)
+    lines, failures = compare(losses[0], losses[1], args.rtol)
+    if not losses[0] and not losses[1]:
+        failures.append("neither run has a training step to compare")
     print("\n".join(lines))
     kind = "bitwise" if args.rtol is None else f"within rtol {args.rtol:g}"
-    print(f"{'all steps equal' if ok else 'runs differ'} ({kind})")
-    return 1 if args.assert_equal and not ok else 0
+    print(f"{'runs differ' if failures else 'all steps equal'} ({kind})")
+    enforced = args.assert_equal or args.rtol is not None  # a tolerance given is a tolerance enforced
+    if failures and enforced:
+        more = f"; ... and {len(failures) - 5} more step(s)" if len(failures) > 5 else ""
+        print(f"loss_compare: FAILED ({kind}): " + "; ".join(failures[:5]) + more, file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -15,18 +15,8 @@ from dataclasses import dataclass
 
 from fleet_ext import capability
 from fleet_ext.config import FleetExtConfig
-from fleet_ext.registry import BACKEND_GUARANTEE, FUSIONS
-
-
-@dataclass(frozen=True)
-class AttentionOps:
-    """The callables a DSv4 attention layer uses."""
-
-    rope: Callable
-    q_rms_norm: Callable
-    sparse_attn: Callable  # DSv4 CSA / HCA / window / full-causal cores (csa_sparse_attn_backend)
-    inv_rope_postmix: Callable
-    mqa_sparse_attn: Callable  # latent MQA of the -2 layers (mqa_sparse_attn_backend)
+from fleet_ext.framework.contracts import AttentionOps
+from fleet_ext.registry import BACKEND_GUARANTEE, CLAIMS_LEGEND, FUSIONS, PLATFORMS, check_capability
 
 
 @dataclass(frozen=True)
@@ -45,6 +35,7 @@ class BackendProvider:
     def __init__(self, config: FleetExtConfig, cap: capability.Capability | None = None) -> None:
         self.config = config
         self.capability = cap or capability.detect()
+        check_capability(config, self.capability)  # the same gate the pretraining start-up runs (exit 2)
         self._rows: list[ResolvedSwitch] = []
         rope = self._resolve("apply_rope_fusion")
         q_norm = self._resolve("dsv4_q_rms_norm_fusion")
@@ -78,14 +69,8 @@ class BackendProvider:
         return functools.partial(sparse_attention_triton, remap=remap)
 
     def _triton_target(self, switch: str, value: object) -> str:
-        """Raise if Triton cannot run here; else prepare it and say where the kernels run."""
+        """Prepare Triton (``check_capability`` has vouched that it runs here) and say where the kernels run."""
         cap = self.capability
-        reason = cap.triton_unusable_reason()
-        if reason is not None:
-            raise ValueError(
-                f"config key `{switch}` = {value!r} cannot run on this machine ({cap.describe()}): {reason}. "
-                f"Fix: install what is missing or set `{switch}` off"
-            )
         capability.prepare_triton(interpreter=cap.interpreter)
         return "Triton interpreter (CPU, slow)" if cap.interpreter else f"Triton sm{cap.sm[0]}{cap.sm[1]}"
 
@@ -95,8 +80,8 @@ class BackendProvider:
             self._rows.append(ResolvedSwitch(switch, False, "reference (pure Paddle)", "switch off (default)"))
             return fusion.load("reference")
         where = self._triton_target(switch, True)
-        guarantee = "bitwise equal to the reference" if fusion.bitwise_equal else f"tolerance: {fusion.tolerance}"
-        self._rows.append(ResolvedSwitch(switch, True, where, f"switch on; {guarantee}"))
+        here = PLATFORMS["cpu_fp32" if self.capability.interpreter else "paddle_gpu"][0]
+        self._rows.append(ResolvedSwitch(switch, True, where, f"switch on; {fusion.guarantee()}; here: {here}"))
         return fusion.load("fused")
 
     @property
@@ -110,4 +95,4 @@ class BackendProvider:
         widths = [max(len(row[i]) for row in rows) for i in range(4)]
         lines = [" | ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
         lines.insert(1, "-+-".join("-" * w for w in widths))
-        return "\n".join(lines)
+        return "\n".join([*lines, CLAIMS_LEGEND])

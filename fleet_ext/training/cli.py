@@ -1,8 +1,9 @@
 """Command line of ``scripts/pretrain.py``: ``--config YAML`` plus any config key as ``--key value``.
 
-Exit codes: 0 done; 2 bad config, data or checkpoint path (nothing was computed); 3 the run stopped on a
-non-finite loss (checkpoints untouched); 130 interrupted. Under ``paddle.distributed.launch`` the launcher
-exits non-zero when any rank does.
+Exit codes: 0 done; 2 bad config, data or checkpoint path, or a fusion switch this machine cannot run
+(checked on every rank before any process group is joined or model built: nothing was computed); 3 the run
+stopped on a non-finite loss (checkpoints untouched); 130 interrupted. Under ``paddle.distributed.launch``
+the launcher exits non-zero when any rank does.
 """
 
 from __future__ import annotations
@@ -69,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
 
-    # Phase 1: everything that can be checked without computing (no Paddle import for config errors).
+    # Phase 1: everything that can be checked without computing (no Paddle import for config errors): the
+    # config, the data, the machine (bf16, the fusion switches' capability gates), the checkpoint path. Every
+    # rank runs it before any process group is joined, so a bad input exits 2 on every rank.
     try:
         from fleet_ext.config import load_config
 
@@ -83,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         from fleet_ext.training import checkpoint as ckpt
         from fleet_ext.training.trainer import Trainer, TrainingError, check_runtime
 
-        check_runtime(config)
+        check_runtime(config)  # bf16 and the fusion switches' capability gates, without building a model
         ckpt.resolve_resume(config.training.resume_from_checkpoint, config.training.output_dir)
     except (ValueError, FileNotFoundError) as exc:
         _error(str(exc))

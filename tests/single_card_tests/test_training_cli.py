@@ -180,3 +180,48 @@ def test_loss_compare_prints_the_table_and_asserts_equality(run4, tmp_path):
         [*script, str(out), str(other), "--assert-equal", "--rtol", "1e-6"], capture_output=True, text=True, cwd=ROOT
     )
     assert tol.returncode == 0 and "within rtol 1e-06" in tol.stdout
+    # A tolerance given alone is enforced too: exit 1 naming the step and the difference when exceeded.
+    tight = subprocess.run([*script, str(out), str(other), "--rtol", "1e-8"], capture_output=True, text=True, cwd=ROOT)
+    assert tight.returncode == 1, tight.stdout + tight.stderr
+    assert "loss_compare: FAILED (within rtol 1e-08): step 3: loss A " in tight.stderr, tight.stderr
+    assert "exceeds rtol 1e-08" in tight.stderr and "step 4" not in tight.stderr
+    loose = subprocess.run([*script, str(out), str(other), "--rtol", "1e-6"], capture_output=True, text=True, cwd=ROOT)
+    assert loose.returncode == 0 and "all steps equal (within rtol 1e-06)" in loose.stdout, loose.stdout + loose.stderr
+    shown = subprocess.run([*script, str(out), str(other)], capture_output=True, text=True, cwd=ROOT)
+    assert shown.returncode == 0 and "runs differ (bitwise)" in shown.stdout  # no check asked: the table only
+
+
+@pytest.mark.parametrize(
+    "cap, where",
+    [
+        ({"triton": False, "torch": True, "gpu": False, "sm": None}, "(CPU): Triton is not installed"),
+        ({"triton": True, "torch": True, "gpu": True, "sm": (7, 5)}, "(GPU sm75): GPU compute capability sm75 is"),
+    ],
+    ids=["no_triton", "sm75"],
+)
+def test_a_fusion_this_machine_cannot_run_exits_2_before_any_model_is_built(tmp_path, capsys, monkeypatch, cap, where):
+    """The capability gate runs with the config checks: exit 2 and the message, no process group, no model."""
+    import paddle.distributed as dist
+
+    from fleet_ext import capability
+    from fleet_ext.models import DSv4ForCausalLM
+    from fleet_ext.training.cli import main
+
+    built = []
+    build = DSv4ForCausalLM.__init__
+    monkeypatch.setattr(DSv4ForCausalLM, "__init__", lambda self, *a, **k: (built.append(1), build(self, *a, **k))[1])
+    out = tmp_path / "run"
+    args = ["--config", str(ROOT / "configs" / "dsv4_tiny_cpu.yaml"), *SMALL, "--max_steps", "2", "--output_dir",
+            str(out), "--apply_rope_fusion", "true"]
+    with capability.override(capability.Capability(**cap)):
+        code = main(args)
+    printed = capsys.readouterr()
+    assert code == 2, printed.out + printed.err
+    assert f"fleet_ext pretrain: error: config key `apply_rope_fusion` = True cannot run on this machine {where}" in (
+        printed.err
+    )
+    assert "Fix: install what is missing or set `apply_rope_fusion` off" in printed.err
+    assert "Traceback" not in printed.err and "fleet_ext pretraining" not in printed.out
+    assert built == [] and not dist.is_initialized() and not out.exists()
+    DSv4ForCausalLM(str(ROOT / "configs" / "dsv4_tiny_cpu.yaml"))
+    assert built == [1]  # the counter does count a build
