@@ -6,6 +6,11 @@ import paddle
 from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
 
 
+def normal_init(std: float) -> paddle.nn.initializer.Initializer:
+    """``Normal(0, std)``: the initialiser of every fleet_ext weight matrix (``init_method_std``)."""
+    return paddle.nn.initializer.Normal(mean=0.0, std=std)
+
+
 class FleetLayer(paddle.nn.Layer):
     """Every fleet_ext layer derives from this.
 

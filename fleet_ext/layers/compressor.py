@@ -1,52 +1,61 @@
 """DSv4 KV compressor: gated per-channel softmax pooling of every ``ratio`` tokens into one entry.
 
-HCA (ratio 128) pools each block of ``ratio`` tokens. CSA (2 <= ratio < 128) overlaps: each entry pools
+HCA layers pool each block of ``ratio`` tokens. CSA layers overlap: each entry pools
 its own block through the second half of the projected channels and the previous block through the
 first half, one softmax over the ``2 * ratio`` slots per channel (the first block's "previous" slots
-are empty). Entries are RMS-normalised and roped at their block's first position. Tokens past the last
-full block get no entry: the sliding window covers them.
+are empty). Entries are RMS-normalised and roped at their block's first global position (from the
+sequence layout). Tokens past the last full block get no entry: the sliding window covers them. The
+layer kind (``fleet_ext.layer_kinds``) says the rate, whether blocks overlap, and the RoPE.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import paddle
 
 from fleet_ext.config import ModelConfig
-from fleet_ext.framework.layer import FleetLayer
+from fleet_ext.framework.layer import FleetLayer, normal_init
+from fleet_ext.layer_kinds import LayerAttention
 from fleet_ext.layers.norm import RMSNorm
 from fleet_ext.layers.rope import RotaryTable
-
-
-def _normal(std: float) -> paddle.nn.initializer.Initializer:
-    return paddle.nn.initializer.Normal(mean=0.0, std=std)
+from fleet_ext.parallel.layout import SequenceLayout
 
 
 class Compressor(FleetLayer):
     """Compress [b, s, D] hidden states into [b, s // ratio, head_dim] roped KV entries."""
 
-    def __init__(self, config: ModelConfig, ratio: int, head_dim: int, rope_apply) -> None:
+    def __init__(self, config: ModelConfig, attention: LayerAttention, head_dim: int, rope_apply: Callable) -> None:
         super().__init__()
-        if ratio < 2:
-            raise ValueError(f"Compressor: `ratio` must be >= 2, got {ratio}")
+        if not attention.has_compressor:
+            raise ValueError(f"Compressor: layer kind {attention.kind.value!r} has no compressor (CSA or HCA only)")
+        ratio = attention.compress_ratio
         self.ratio = ratio
         self.head_dim = head_dim
-        self.overlap = ratio < 128
+        self.overlap = attention.overlapping_compressor
         coff = 2 if self.overlap else 1
         self.linear_wkv = paddle.nn.Linear(
-            config.hidden_size, coff * head_dim, weight_attr=_normal(config.init_method_std), bias_attr=False
+            config.hidden_size, coff * head_dim, weight_attr=normal_init(config.init_method_std), bias_attr=False
         )
         self.linear_wgate = paddle.nn.Linear(
-            config.hidden_size, coff * head_dim, weight_attr=_normal(config.init_method_std), bias_attr=False
+            config.hidden_size, coff * head_dim, weight_attr=normal_init(config.init_method_std), bias_attr=False
         )
         self.ape = self.create_parameter(
             [ratio, coff * head_dim], dtype="float32", default_initializer=paddle.nn.initializer.Constant(0.0)
         )
         self.norm = RMSNorm(head_dim, config.rms_norm_eps)
-        self.rope_table = RotaryTable.for_layer(config, ratio)
+        self.rope_table = RotaryTable.for_spec(attention.rope)
         self._rope = rope_apply
 
-    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+    def forward(self, x: paddle.Tensor, layout: SequenceLayout) -> paddle.Tensor:
+        """x [b, s_local, D] at the layout's positions -> entries [b, s_local // ratio, head_dim]."""
         batch, seq, _ = x.shape
+        layout.check_input("Compressor", "x", seq)
+        if layout.offset % self.ratio:
+            raise ValueError(
+                f"Compressor: the layout's first position {layout.offset} must be a multiple of the compression "
+                f"rate {self.ratio}, so that blocks do not straddle ranks"
+            )
         n_comp = seq // self.ratio
         if n_comp == 0:
             return paddle.zeros([batch, 0, self.head_dim], dtype=x.dtype)
@@ -57,7 +66,7 @@ class Compressor(FleetLayer):
             kv, score = self._overlap(kv, score)
         weights = paddle.nn.functional.softmax(score, axis=2).astype(kv.dtype)
         pooled = self.norm((kv * weights).sum(axis=2))
-        cos, sin = self.rope_table.cos_sin(range(0, n_comp * self.ratio, self.ratio))
+        cos, sin = self.rope_table.cos_sin(range(layout.offset, layout.offset + n_comp * self.ratio, self.ratio))
         return self._rope(pooled, cos, sin)
 
     def _overlap(self, kv: paddle.Tensor, score: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:

@@ -28,9 +28,9 @@ import paddle
 from paddle.autograd import PyLayer
 
 from fleet_ext.config import ModelConfig
-from fleet_ext.framework.layer import FleetLayer
-from fleet_ext.layers.compressor import _normal
+from fleet_ext.framework.layer import FleetLayer, normal_init
 from fleet_ext.layers.index_tables import window_index_table
+from fleet_ext.parallel.layout import SequenceLayout
 
 __all__ = [
     "DSAIndexer",
@@ -103,27 +103,38 @@ def gather_rows(rows: paddle.Tensor, idx: paddle.Tensor) -> paddle.Tensor:
     )
 
 
-def dsa_index_table(scores: paddle.Tensor, topk: int, window: int) -> tuple[paddle.Tensor, int]:
-    """Sparse-phase KV table [b, s, k_top + min(window, s)] (int32, -1 invalid) and k_top.
+def dsa_index_table(
+    scores: paddle.Tensor, topk: int, window: int, layout: SequenceLayout | None = None
+) -> tuple[paddle.Tensor, int]:
+    """Sparse-phase KV table [b, s, k_top + min(window, S)] (int32, -1 invalid) and k_top.
 
-    Columns ``[:k_top]``: the indexer's top ``k_top = min(topk, max(0, s - window))`` keys among the candidates
-    j <= t - window (all j <= t when ``window`` is 0), best first; then the forced window t-W+1 .. t.
+    ``scores`` [b, s, S]: this rank's s queries (global positions t from ``layout``, default the whole
+    sequence) against all S keys. Columns ``[:k_top]``: the indexer's top ``k_top = min(topk, max(0, S - window))``
+    keys among the candidates j <= t - window (all j <= t when ``window`` is 0), best first; then the forced
+    window t-W+1 .. t.
     """
-    if scores.ndim != 3 or scores.shape[1] != scores.shape[2]:
-        raise ValueError(f"dsa_index_table: `scores` must be [b, s, s], got shape {scores.shape}")
+    if scores.ndim != 3:
+        raise ValueError(f"dsa_index_table: `scores` must be [b, s, S], got shape {scores.shape}")
+    layout = layout or SequenceLayout.whole(scores.shape[1])
+    if [scores.shape[1], scores.shape[2]] != [layout.local_len, layout.global_len]:
+        raise ValueError(
+            f"dsa_index_table: `scores` must be [b, {layout.local_len}, {layout.global_len}] for the layout "
+            f"{layout}, got shape {scores.shape}"
+        )
     if topk <= 0 or window < 0:
         raise ValueError(f"dsa_index_table: need topk > 0 and window >= 0, got topk={topk}, window={window}")
-    batch, seq, _ = scores.shape
-    last_candidate = (paddle.arange(seq, dtype="int64") - window).reshape([1, seq, 1])  # j <= t - window
-    k_top = min(topk, max(0, seq - window))
+    batch, seq, n_keys = scores.shape
+    queries = paddle.arange(layout.offset, layout.end, dtype="int64")
+    last_candidate = (queries - window).reshape([1, seq, 1])  # j <= t - window
+    k_top = min(topk, max(0, n_keys - window))
     parts = []
     if k_top:
-        keys = paddle.arange(seq, dtype="int64").reshape([1, 1, seq])
+        keys = paddle.arange(n_keys, dtype="int64").reshape([1, 1, n_keys])
         masked = paddle.where(keys <= last_candidate, scores, paddle.full_like(scores, float("-inf")))
         top = paddle.topk(masked, k=k_top, axis=-1).indices
         parts.append(paddle.where(top <= last_candidate, top, paddle.full_like(top, -1)).astype("int32"))
     if window:
-        table = window_index_table(seq, min(window, seq))
+        table = window_index_table(layout, min(window, n_keys))
         parts.append(table.unsqueeze(0).expand([batch, seq, table.shape[1]]).astype("int32"))
     return paddle.concat(parts, axis=-1), k_top
 
@@ -161,20 +172,19 @@ def indexer_kl_loss(
 
 
 class DSAIndexerLossAutoScaler(PyLayer):
-    """Identity on ``output`` whose backward also feeds ``d(loss) = main_loss_backward_scale`` (Megatron).
+    """Identity on ``output`` whose backward also feeds ``d(loss) = scale`` (Megatron).
 
     Attaches the (already coefficient-scaled) indexer loss to the attention output without changing the forward
     value. A frozen ``output`` (indexer warm-up) comes back as a copy that requires grad, so the LM loss's backward
     still reaches the loss; the frozen side gets no gradient (PaddleFleet returns ``output.clone()`` there too).
-    ``main_loss_backward_scale`` is set by the trainer (loss scale / gradient-accumulation steps), like
-    ``MoEAuxLossAutoScaler``.
+    ``scale`` is the main loss's backward scale, owned by the attention layer and set through the model
+    (``DSv4ForCausalLM.set_aux_loss_backward_scale``), like ``MoEAuxLossAutoScaler``.
     """
 
-    main_loss_backward_scale: float = 1.0
-
     @staticmethod
-    def forward(ctx: Any, output: paddle.Tensor, loss: paddle.Tensor) -> paddle.Tensor:
+    def forward(ctx: Any, output: paddle.Tensor, loss: paddle.Tensor, scale: float = 1.0) -> paddle.Tensor:
         ctx.save_for_backward(loss)
+        ctx.scale = float(scale)
         ctx.output_needs_grad = not output.stop_gradient
         # Paddle refuses to hand back a leaf as a PyLayer output (in-place rule): copy leaves and frozen outputs.
         return output.clone() if output.is_leaf else output
@@ -182,13 +192,8 @@ class DSAIndexerLossAutoScaler(PyLayer):
     @staticmethod
     def backward(ctx: Any, grad_output: paddle.Tensor) -> tuple[paddle.Tensor | None, paddle.Tensor]:
         (loss,) = ctx.saved_tensor()
-        grad_loss = paddle.ones_like(loss) * DSAIndexerLossAutoScaler.main_loss_backward_scale
+        grad_loss = paddle.ones_like(loss) * ctx.scale
         return (grad_output if ctx.output_needs_grad else None), grad_loss
-
-    @staticmethod
-    def set_loss_scale(scale: float) -> None:
-        """Scale of the indexer-loss gradient (the main loss's backward scale)."""
-        DSAIndexerLossAutoScaler.main_loss_backward_scale = float(scale)
 
 
 class DSAIndexer(FleetLayer):
@@ -201,12 +206,14 @@ class DSAIndexer(FleetLayer):
         self.interleaved = config.dsa_indexer_rotary_interleaved
         std = config.init_method_std
         self.linear_wq_b = paddle.nn.Linear(
-            config.hybrid_mla_q_lora_rank, self.n_heads * self.head_dim, weight_attr=_normal(std), bias_attr=False
+            config.hybrid_mla_q_lora_rank, self.n_heads * self.head_dim, weight_attr=normal_init(std), bias_attr=False
         )
-        self.linear_wk = paddle.nn.Linear(config.hidden_size, self.head_dim, weight_attr=_normal(std), bias_attr=False)
+        self.linear_wk = paddle.nn.Linear(
+            config.hidden_size, self.head_dim, weight_attr=normal_init(std), bias_attr=False
+        )
         self.k_norm = paddle.nn.LayerNorm(self.head_dim, epsilon=1e-6)  # LayerNorm, not RMSNorm (V3.2)
         self.linear_weights_proj = paddle.nn.Linear(
-            config.hidden_size, self.n_heads, weight_attr=_normal(std), bias_attr=False
+            config.hidden_size, self.n_heads, weight_attr=normal_init(std), bias_attr=False
         )
 
     def forward(

@@ -10,65 +10,73 @@ from __future__ import annotations
 import paddle
 
 from fleet_ext.config import FleetExtConfig
-from fleet_ext.framework.backend import AttentionOps
-from fleet_ext.framework.layer import FleetLayer
-from fleet_ext.layers.compressor import _normal
-from fleet_ext.layers.csa import CompressedSparseAttention
+from fleet_ext.framework.contracts import AttentionOps
+from fleet_ext.framework.layer import FleetLayer, normal_init
+from fleet_ext.layer_kinds import layer_attention
+from fleet_ext.layers.dsv4_core_attention import CompressedSparseAttention
 from fleet_ext.layers.norm import RMSNorm
 from fleet_ext.layers.rope import RotaryTable
 from fleet_ext.layers.vha import VHAPostmix
+from fleet_ext.parallel.layout import SequenceLayout
 
 
 class DSv4HybridSelfAttention(FleetLayer):
-    """[b, s, D] -> [b, s, D] for one layer whose kind is ``csa_compress_ratios[layer_number]``."""
+    """[b, s, D] -> [b, s, D] for one layer whose kind is ``layer_attention(config.model, layer_number)``."""
 
     def __init__(self, config: FleetExtConfig, layer_number: int, ops: AttentionOps) -> None:
         super().__init__()
         m = config.model
         self.layer_number = layer_number
-        self.ratio = m.csa_compress_ratios[layer_number]
+        attention = layer_attention(m, layer_number)
+        self.kind = attention.kind
         self.heads, self.head_dim = m.num_attention_heads, m.v_head_dim
         self.groups, self.o_lora_rank = m.o_groups, m.o_lora_rank
         self.eps = m.rms_norm_eps
         self.ops = ops
         std = m.init_method_std
         self.linear_q_down_proj = paddle.nn.Linear(
-            m.hidden_size, m.q_lora_rank, weight_attr=_normal(std), bias_attr=False
+            m.hidden_size, m.q_lora_rank, weight_attr=normal_init(std), bias_attr=False
         )
         self.q_layernorm = RMSNorm(m.q_lora_rank, m.rms_norm_eps)
         self.linear_q_up_proj = paddle.nn.Linear(
-            m.q_lora_rank, self.heads * self.head_dim, weight_attr=_normal(std), bias_attr=False
+            m.q_lora_rank, self.heads * self.head_dim, weight_attr=normal_init(std), bias_attr=False
         )
-        self.linear_kv_proj = paddle.nn.Linear(m.hidden_size, self.head_dim, weight_attr=_normal(std), bias_attr=False)
+        self.linear_kv_proj = paddle.nn.Linear(
+            m.hidden_size, self.head_dim, weight_attr=normal_init(std), bias_attr=False
+        )
         self.kv_layernorm = RMSNorm(self.head_dim, m.rms_norm_eps)
-        self.core_attention = CompressedSparseAttention(m, self.ratio, ops.sparse_attn, ops.rope)
+        self.core_attention = CompressedSparseAttention(m, attention, ops.sparse_attn, ops.rope)
         self.postmix = VHAPostmix(m) if m.use_vha_attention else None
         # The ungrouped postmix takes inverse RoPE + M @ O as one op (fused when the switch is on).
         self._fuse_postmix = self.postmix is not None and not self.postmix.grouped
         group_in = self.heads * self.head_dim // self.groups
         self.linear_o_group_proj = self.create_parameter(
-            [self.groups * self.o_lora_rank, group_in], dtype=m.params_dtype, default_initializer=_normal(std)
+            [self.groups * self.o_lora_rank, group_in], dtype=m.params_dtype, default_initializer=normal_init(std)
         )
         self.o_proj = paddle.nn.Linear(
-            self.groups * self.o_lora_rank, m.hidden_size, weight_attr=_normal(std), bias_attr=False
+            self.groups * self.o_lora_rank, m.hidden_size, weight_attr=normal_init(std), bias_attr=False
         )
-        self.rope_table = RotaryTable.for_layer(m, self.ratio)
+        self.rope_table = RotaryTable.for_spec(attention.rope)
 
-    def forward(self, hidden_states: paddle.Tensor) -> paddle.Tensor:
+    def forward(self, hidden_states: paddle.Tensor, layout: SequenceLayout | None = None) -> paddle.Tensor:
+        """``layout``: which global positions ``hidden_states`` holds (default: the whole sequence)."""
         if hidden_states.ndim != 3 or hidden_states.shape[-1] != self.linear_q_down_proj.weight.shape[0]:
             raise ValueError(
                 f"DSv4HybridSelfAttention: `hidden_states` must be [b, s, {self.linear_q_down_proj.weight.shape[0]}], "
                 f"got shape {hidden_states.shape}"
             )
         batch, seq, _ = hidden_states.shape
+        layout = layout or SequenceLayout.whole(seq)
+        layout.check_input("DSv4HybridSelfAttention", "hidden_states", seq)
+        layout.require_whole("DSv4HybridSelfAttention")
         q_latent = self.q_layernorm(self.linear_q_down_proj(hidden_states))
         q = self.linear_q_up_proj(q_latent).reshape([batch, seq, self.heads, self.head_dim])
         q = self.ops.q_rms_norm(q, self.eps)
         kv = self.kv_layernorm(self.linear_kv_proj(hidden_states))
-        cos, sin = self.rope_table.cos_sin(range(seq))
+        cos, sin = self.rope_table.cos_sin(layout.positions())
         q = self.ops.rope(q, cos, sin)
         kv = self.ops.rope(kv, cos, sin)
-        out = self.core_attention(q, kv, hidden_states, q_latent)
+        out = self.core_attention(q, kv, hidden_states, q_latent, layout)
         if self._fuse_postmix:
             out = self.ops.inv_rope_postmix(out, cos, sin, self.postmix.mixing_matrix())
         else:

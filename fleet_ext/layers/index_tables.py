@@ -1,7 +1,10 @@
-"""Per-query KV index tables of DSv4 attention, built on the host once per shape.
+"""Per-query KV index tables of DSv4 and latent-MQA attention, computed from the sequence layout.
 
-All tables index into ``kv_full = [raw KV (s rows) | compressed KV (s // ratio rows)]`` and use -1 for
-an invalid slot. They depend only on shapes, so they are cached.
+Rows are this rank's queries (global positions ``layout.positions()``); key ids are global (see
+``fleet_ext.parallel.layout``): raw keys ``0 .. global_len - 1``, compressed entries shifted by the number
+of raw KV rows in front of them (``kv_offset``). ``-1`` marks an invalid slot. The tables depend only on
+the layout and the layer's shape parameters, so they are built once with NumPy, moved to the device
+once, and cached (keyed on the immutable layout); the training step re-uses the device tensors.
 """
 
 from __future__ import annotations
@@ -11,47 +14,62 @@ import functools
 import numpy as np
 import paddle
 
+from fleet_ext.parallel.layout import SequenceLayout
 
-@functools.lru_cache(maxsize=64)
-def _window_np(seq_len: int, window: int) -> np.ndarray:
-    t = np.arange(seq_len)[:, None]
+__all__ = [
+    "all_compressed_index_table",
+    "compressed_topk_to_kv_full",
+    "compressed_visible_count",
+    "full_causal_index_table",
+    "window_index_table",
+]
+
+_CACHE_SIZE = 128
+
+
+def _query_positions(layout: SequenceLayout) -> np.ndarray:
+    return np.arange(layout.offset, layout.end, dtype=np.int64)
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def window_index_table(layout: SequenceLayout, window: int) -> paddle.Tensor:
+    """[s_local, W] int32: row for global query t holds keys t-W+1 .. t (oldest first), -1 before position 0.
+
+    Callers pass ``W = min(window, global_len)``: a window longer than the sequence has no more keys to offer.
+    """
+    t = _query_positions(layout)[:, None]
     j = t - window + 1 + np.arange(window)[None, :]
-    return np.where(j >= 0, j, -1).astype(np.int32)
+    return paddle.to_tensor(np.where(j >= 0, j, -1).astype(np.int32))
 
 
-def window_index_table(seq_len: int, window: int) -> paddle.Tensor:
-    """[s, W]: row t holds keys t-W+1 .. t (oldest first), -1 before the sequence start."""
-    return paddle.to_tensor(_window_np(seq_len, window))
+def _visible_counts(layout: SequenceLayout, ratio: int) -> np.ndarray:
+    return (_query_positions(layout) + 1) // ratio
 
 
-def compressed_visible_count(seq_len: int, ratio: int) -> np.ndarray:
-    """Number of compressed entries query t may use: ``floor((t + 1) / ratio)``."""
-    return (np.arange(seq_len) + 1) // ratio
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def compressed_visible_count(layout: SequenceLayout, ratio: int) -> paddle.Tensor:
+    """[s_local] int64: compressed entries global query t may use, ``floor((t + 1) / ratio)``.
+
+    Entry i pools tokens ``i*ratio .. (i+1)*ratio - 1``; it is visible once its last token is.
+    """
+    return paddle.to_tensor(_visible_counts(layout, ratio))
 
 
-@functools.lru_cache(maxsize=64)
-def _all_compressed_np(seq_len: int, ratio: int, offset: int) -> np.ndarray:
-    n_comp = seq_len // ratio
-    i = np.arange(n_comp)[None, :]
-    visible = i < compressed_visible_count(seq_len, ratio)[:, None]
-    return np.where(visible, i + offset, -1).astype(np.int32)
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def all_compressed_index_table(layout: SequenceLayout, ratio: int, kv_offset: int) -> paddle.Tensor:
+    """[s_local, global_len // ratio] int32: every visible compressed entry (HCA, or CSA in dense mode),
+    shifted by ``kv_offset``."""
+    i = np.arange(layout.global_len // ratio)[None, :]
+    visible = i < _visible_counts(layout, ratio)[:, None]
+    return paddle.to_tensor(np.where(visible, i + kv_offset, -1).astype(np.int32))
 
 
-def all_compressed_index_table(seq_len: int, ratio: int, offset: int) -> paddle.Tensor:
-    """[s, s // ratio]: every visible compressed entry (HCA, or CSA in dense mode), shifted by ``offset``."""
-    return paddle.to_tensor(_all_compressed_np(seq_len, ratio, offset))
-
-
-@functools.lru_cache(maxsize=16)
-def _full_causal_np(seq_len: int) -> np.ndarray:
-    t = np.arange(seq_len)[:, None]
-    j = np.arange(seq_len)[None, :]
-    return np.where(j <= t, j, -1).astype(np.int32)
-
-
-def full_causal_index_table(seq_len: int) -> paddle.Tensor:
-    """[s, s]: row t holds 0..t, then -1 (the -1 'full-causal MQA' layers)."""
-    return paddle.to_tensor(_full_causal_np(seq_len))
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def full_causal_index_table(layout: SequenceLayout) -> paddle.Tensor:
+    """[s_local, global_len] int32: row for global query t holds keys 0..t, then -1 (-1 layers, latent MQA)."""
+    t = _query_positions(layout)[:, None]
+    j = np.arange(layout.global_len)[None, :]
+    return paddle.to_tensor(np.where(j <= t, j, -1).astype(np.int32))
 
 
 def compressed_topk_to_kv_full(topk_idx: paddle.Tensor, offset: int) -> paddle.Tensor:

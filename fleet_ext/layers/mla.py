@@ -23,12 +23,14 @@ import math
 import paddle
 
 from fleet_ext.config import FleetExtConfig, ModelConfig
-from fleet_ext.framework.backend import AttentionOps
-from fleet_ext.framework.layer import FleetLayer
-from fleet_ext.layers.compressor import _normal
+from fleet_ext.framework.contracts import AttentionOps
+from fleet_ext.framework.layer import FleetLayer, normal_init
+from fleet_ext.layer_kinds import LayerKind, RopeSpec, layer_attention
+from fleet_ext.layers import index_tables
 from fleet_ext.layers.mqa_latent_attention import MQALatentAttention
 from fleet_ext.layers.norm import RMSNorm
-from fleet_ext.layers.rope import RotaryTable, plain_inv_freq, yarn_inv_freq
+from fleet_ext.layers.rope import RotaryTable
+from fleet_ext.parallel.layout import SequenceLayout
 
 __all__ = ["MLASelfAttention", "hybrid_mla_rope"]
 
@@ -41,32 +43,24 @@ def _yarn_mscale(factor: float, mscale: float) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def hybrid_mla_rope(config: ModelConfig) -> tuple[RotaryTable, float, float]:
+def hybrid_mla_rope(config: ModelConfig, spec: RopeSpec) -> tuple[RotaryTable, float, float]:
     """(frequency table, cos/sin factor, softmax-scale factor) of -2 layers, as HF DeepSeek-V3.2 computes them.
 
     YaRN: frequencies from ``hybrid_mla_rotary_base`` / ``_scaling_factor`` / ``_original_max_position_embeddings``
     and the shared beta_fast/beta_slow; cos/sin times ``m(f, mscale) / m(f, mscale_all_dim)`` (HF's
     ``attention_factor``; 1 for V3.2 where both are 1); softmax scale times ``m(f, mscale_all_dim)^2``.
     """
-    dim = config.hybrid_mla_qk_rope_head_dim
-    if config.hybrid_mla_rope_type == "rope":
-        return RotaryTable(plain_inv_freq(dim, config.hybrid_mla_rotary_base)), 1.0, 1.0
-    factor = config.hybrid_mla_rotary_scaling_factor
+    table = RotaryTable.for_spec(spec)
+    if spec.rope_type == "rope":
+        return table, 1.0, 1.0
+    factor = spec.scaling_factor
     mscale, mscale_all_dim = config.hybrid_mla_mscale, config.hybrid_mla_mscale_all_dim
-    inv_freq = yarn_inv_freq(
-        dim,
-        config.hybrid_mla_rotary_base,
-        factor,
-        config.hybrid_mla_original_max_position_embeddings,
-        config.beta_fast,
-        config.beta_slow,
-    )
     if mscale and mscale_all_dim:
         cos_sin_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
     else:
         cos_sin_factor = _yarn_mscale(factor, 1.0)
     softmax_factor = _yarn_mscale(factor, mscale_all_dim) ** 2 if mscale_all_dim else 1.0
-    return RotaryTable(inv_freq), cos_sin_factor, softmax_factor
+    return table, cos_sin_factor, softmax_factor
 
 
 class MLASelfAttention(FleetLayer):
@@ -88,22 +82,22 @@ class MLASelfAttention(FleetLayer):
         self.ops = ops
         std = m.init_method_std
         self.linear_q_down_proj = paddle.nn.Linear(
-            m.hidden_size, m.hybrid_mla_q_lora_rank, weight_attr=_normal(std), bias_attr=False
+            m.hidden_size, m.hybrid_mla_q_lora_rank, weight_attr=normal_init(std), bias_attr=False
         )
         self.q_layernorm = RMSNorm(m.hybrid_mla_q_lora_rank, m.rms_norm_eps)
         q_width = self.heads * (self.nope + self.rope_dim)
         self.linear_q_up_proj = paddle.nn.Linear(
-            m.hybrid_mla_q_lora_rank, q_width, weight_attr=_normal(std), bias_attr=False
+            m.hybrid_mla_q_lora_rank, q_width, weight_attr=normal_init(std), bias_attr=False
         )
         self.linear_kv_down_proj = paddle.nn.Linear(
-            m.hidden_size, self.kv_lora_rank + self.rope_dim, weight_attr=_normal(std), bias_attr=False
+            m.hidden_size, self.kv_lora_rank + self.rope_dim, weight_attr=normal_init(std), bias_attr=False
         )
         self.kv_layernorm = RMSNorm(self.kv_lora_rank, m.rms_norm_eps)
         self.linear_kv_up_proj = paddle.nn.Linear(
-            self.kv_lora_rank, self.heads * (self.nope + self.v_dim), weight_attr=_normal(std), bias_attr=False
+            self.kv_lora_rank, self.heads * (self.nope + self.v_dim), weight_attr=normal_init(std), bias_attr=False
         )
         self.o_proj = paddle.nn.Linear(
-            self.heads * self.v_dim, m.hidden_size, weight_attr=_normal(std), bias_attr=False
+            self.heads * self.v_dim, m.hidden_size, weight_attr=normal_init(std), bias_attr=False
         )
         self.attn_sink = (
             self.create_parameter(
@@ -112,21 +106,24 @@ class MLASelfAttention(FleetLayer):
             if m.add_full_attention_sink_bias
             else None
         )
-        self.rope_table, self._cos_sin_factor, softmax_factor = hybrid_mla_rope(m)
+        attention = layer_attention(m, layer_number)
+        if attention.kind is not LayerKind.HYBRID_MLA:
+            raise ValueError(f"MLASelfAttention: layer {layer_number} is a {attention.kind.value!r} layer, not -2")
+        self.rope_table, self._cos_sin_factor, softmax_factor = hybrid_mla_rope(m, attention.rope)
         self.softmax_scale = (self.nope + self.rope_dim) ** -0.5 * softmax_factor
         self.core_attention = (
             None if self.mode == "mha" else MQALatentAttention(m, ops.mqa_sparse_attn, self.softmax_scale)
         )
 
     # -- pieces shared by every mode --------------------------------------------------------------------
-    def cos_sin(self, seq: int) -> tuple[paddle.Tensor, paddle.Tensor]:
-        """cos/sin [s, rope/2] of positions 0..s-1 (times the YaRN attention factor when it is not 1)."""
-        cos, sin = self.rope_table.cos_sin(range(seq))
+    def cos_sin(self, layout: SequenceLayout) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """cos/sin [s, rope/2] of the layout's positions (times the YaRN attention factor when it is not 1)."""
+        cos, sin = self.rope_table.cos_sin(layout.positions())
         if self._cos_sin_factor != 1.0:
             cos, sin = cos * self._cos_sin_factor, sin * self._cos_sin_factor
         return cos, sin
 
-    def _project(self, hidden_states: paddle.Tensor) -> tuple:
+    def _project(self, hidden_states: paddle.Tensor, layout: SequenceLayout) -> tuple:
         """q_latent, q_nope [b,s,h,n], roped q_pe [b,s,h,r], c_kv [b,s,L], roped k_pe [b,s,r], cos, sin."""
         width = self.linear_q_down_proj.weight.shape[0]
         if hidden_states.ndim != 3 or hidden_states.shape[-1] != width:
@@ -138,7 +135,7 @@ class MLASelfAttention(FleetLayer):
         q = self.linear_q_up_proj(q_latent).reshape([batch, seq, self.heads, self.nope + self.rope_dim])
         kv = self.linear_kv_down_proj(hidden_states)
         c_kv = self.kv_layernorm(kv[..., : self.kv_lora_rank])
-        cos, sin = self.cos_sin(seq)
+        cos, sin = self.cos_sin(layout)
         q_pe = self.ops.rope(q[..., self.nope :], cos, sin)
         k_pe = self.ops.rope(kv[..., self.kv_lora_rank :], cos, sin)
         return q_latent, q[..., : self.nope], q_pe, c_kv, k_pe, cos, sin
@@ -148,6 +145,15 @@ class MLASelfAttention(FleetLayer):
         weight = self.linear_kv_up_proj.weight.reshape([self.kv_lora_rank, self.heads, self.nope + self.v_dim])
         weight = weight.transpose([1, 0, 2])
         return weight[:, :, : self.nope], weight[:, :, self.nope :]
+
+    @staticmethod
+    def _layout(hidden_states: paddle.Tensor, layout: SequenceLayout | None) -> SequenceLayout:
+        """The given layout (checked against the input) or the whole sequence."""
+        seq = hidden_states.shape[1] if hidden_states.ndim == 3 else 0
+        layout = layout or SequenceLayout.whole(max(seq, 1))
+        layout.check_input("MLASelfAttention", "hidden_states", seq)
+        layout.require_whole("MLASelfAttention")
+        return layout
 
     def _sink(self) -> paddle.Tensor:
         if self.attn_sink is not None:
@@ -160,15 +166,18 @@ class MLASelfAttention(FleetLayer):
         hidden_states: paddle.Tensor,
         input_ids: paddle.Tensor | None = None,
         loss_mask: paddle.Tensor | None = None,
+        layout: SequenceLayout | None = None,
     ) -> paddle.Tensor:
         """``loss_mask`` [b, s] bool (False: padding rows, skipped by the indexer KL); by default
-        ``input_ids != pad_token_id`` when the token ids are given, else every row."""
+        ``input_ids != pad_token_id`` when the token ids are given, else every row. ``layout``: which global
+        positions ``hidden_states`` holds (default: the whole sequence)."""
         if loss_mask is None and input_ids is not None:
             loss_mask = input_ids != self.pad_token_id
+        layout = self._layout(hidden_states, layout)
         batch, seq = hidden_states.shape[0], hidden_states.shape[1]
-        q_latent, q_nope, q_pe, c_kv, k_pe, cos, sin = self._project(hidden_states)
+        q_latent, q_nope, q_pe, c_kv, k_pe, cos, sin = self._project(hidden_states, layout)
         if self.core_attention is None:
-            out = self._dense_mla(q_nope, q_pe, c_kv, k_pe)
+            out = self._dense_mla(q_nope, q_pe, c_kv, k_pe, layout)
         else:
             w_uk, w_uv = self._up_proj_weights()
             # Absorb: q_nope [h, bs, n] @ W_UK^T [h, n, L] -> [h, bs, L].
@@ -177,14 +186,16 @@ class MLASelfAttention(FleetLayer):
             q_abs = q_abs.reshape([self.heads, batch, seq, self.kv_lora_rank]).transpose([1, 2, 0, 3])
             query = paddle.concat([q_abs, q_pe.astype(q_abs.dtype)], axis=-1)
             key = paddle.concat([c_kv, k_pe.astype(c_kv.dtype)], axis=-1)
-            latent = self.core_attention(query, key, self._sink(), hidden_states, q_latent, cos, sin, loss_mask)
+            latent = self.core_attention(
+                query, key, self._sink(), hidden_states, q_latent, cos, sin, loss_mask, layout=layout
+            )
             # De-absorb: latent [h, bs, L] @ W_UV [h, L, v] -> [h, bs, v].
             latent = latent.transpose([2, 0, 1, 3]).reshape([self.heads, batch * seq, self.kv_lora_rank])
             out = paddle.matmul(latent, w_uv.astype(latent.dtype))
             out = out.reshape([self.heads, batch, seq, self.v_dim]).transpose([1, 2, 0, 3])
         return self.o_proj(out.reshape([batch, seq, self.heads * self.v_dim]))
 
-    def _dense_mla(self, q_nope, q_pe, c_kv, k_pe) -> paddle.Tensor:
+    def _dense_mla(self, q_nope, q_pe, c_kv, k_pe, layout: SequenceLayout) -> paddle.Tensor:
         """Reference causal MLA with per-head keys and values: [b, s, h, v]."""
         batch, seq = q_nope.shape[0], q_nope.shape[1]
         kv = self.linear_kv_up_proj(c_kv).reshape([batch, seq, self.heads, self.nope + self.v_dim])
@@ -193,7 +204,7 @@ class MLASelfAttention(FleetLayer):
         query = paddle.concat([q_nope, q_pe.astype(q_nope.dtype)], axis=-1).transpose([0, 2, 1, 3])
         value = kv[..., self.nope :].transpose([0, 2, 1, 3])  # [b, h, s, v]
         logits = paddle.matmul(query.astype("float32"), key.astype("float32"), transpose_y=True) * self.softmax_scale
-        causal = paddle.tril(paddle.ones([seq, seq], dtype="bool"))
+        causal = index_tables.full_causal_index_table(layout) >= 0  # [s, s]: key j <= query t
         logits = paddle.where(causal, logits, paddle.full_like(logits, float("-inf")))
         if self.attn_sink is not None:
             sink = self.attn_sink.reshape([1, self.heads, 1, 1]).expand([batch, self.heads, seq, 1])
@@ -204,13 +215,14 @@ class MLASelfAttention(FleetLayer):
         return out.transpose([0, 2, 1, 3])
 
     # -- inspection ---------------------------------------------------------------------------------------
-    def topk_indices(self, hidden_states: paddle.Tensor) -> paddle.Tensor:
+    def topk_indices(self, hidden_states: paddle.Tensor, layout: SequenceLayout | None = None) -> paddle.Tensor:
         """The indexer's top-k key ids [b, s, k_top] (int32, -1 empty) for these hidden states (sparse phase)."""
         if self.core_attention is None or self.core_attention.indexer is None:
             raise ValueError("MLASelfAttention.topk_indices: needs hybrid_mla_attention: mqa_dsa")
+        layout = self._layout(hidden_states, layout)
         with paddle.no_grad():
-            q_latent, _, _, _, _, cos, sin = self._project(hidden_states)
-            idx, k_top = self.core_attention.select(hidden_states, q_latent, cos, sin)
+            q_latent, _, _, _, _, cos, sin = self._project(hidden_states, layout)
+            idx, k_top = self.core_attention.select(hidden_states, q_latent, cos, sin, layout)
         return idx[:, :, :k_top]
 
     @property

@@ -13,7 +13,7 @@ from typing import Any
 import paddle
 import paddle.nn.functional as F
 
-from fleet_ext.framework.layer import FleetLayer
+from fleet_ext.framework.layer import FleetLayer, normal_init
 
 __all__ = ["clamped_swiglu", "check_hidden", "Linear", "SwiGLUMLP"]
 
@@ -43,17 +43,15 @@ def clamped_swiglu(gate_up: paddle.Tensor, limit: float) -> paddle.Tensor:
     return F.silu(gate) * up
 
 
-def _normal(std: float) -> paddle.nn.initializer.Initializer:
-    return paddle.nn.initializer.Normal(mean=0.0, std=std)
-
-
 class Linear(FleetLayer):
     """Bias-free ``y = x @ weight`` with ``weight`` [in, out] (Paddle layout), Normal(0, std) init."""
 
     def __init__(self, in_features: int, out_features: int, std: float, dtype: str) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = self.create_parameter([in_features, out_features], dtype=dtype, default_initializer=_normal(std))
+        self.weight = self.create_parameter(
+            [in_features, out_features], dtype=dtype, default_initializer=normal_init(std)
+        )
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         return paddle.matmul(x, self.weight)

@@ -84,25 +84,20 @@ class MoEAuxLossAutoScaler(PyLayer):
     """Identity on ``output`` whose backward also feeds ``d(aux_loss) = scale`` (Megatron's trick).
 
     This adds the aux loss gradient to the router without touching the forward value or the
-    training loss. ``main_loss_backward_scale`` is set by the trainer (loss scale / micro-batches).
+    training loss. ``scale`` is the main loss's backward scale, owned by the router instance and set
+    through the model (``DSv4ForCausalLM.set_aux_loss_backward_scale``), not a class-level global.
     """
 
-    main_loss_backward_scale: float = 1.0
-
     @staticmethod
-    def forward(ctx: Any, output: paddle.Tensor, aux_loss: paddle.Tensor) -> paddle.Tensor:
+    def forward(ctx: Any, output: paddle.Tensor, aux_loss: paddle.Tensor, scale: float = 1.0) -> paddle.Tensor:
         ctx.save_for_backward(aux_loss)
+        ctx.scale = float(scale)
         return output
 
     @staticmethod
     def backward(ctx: Any, grad_output: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
         (aux_loss,) = ctx.saved_tensor()
-        return grad_output, paddle.ones_like(aux_loss) * MoEAuxLossAutoScaler.main_loss_backward_scale
-
-    @staticmethod
-    def set_loss_scale(scale: float) -> None:
-        """Scale of the aux-loss gradient (the main loss's backward scale)."""
-        MoEAuxLossAutoScaler.main_loss_backward_scale = float(scale)
+        return grad_output, paddle.ones_like(aux_loss) * ctx.scale
 
 
 # --------------------------------------------------------------------------------------------------
@@ -125,6 +120,7 @@ class _RouterBase(FleetLayer):
         self.norm_topk_prob = moe.norm_topk_prob
         self.routed_scaling_factor = moe.routed_scaling_factor
         self.aux_loss: paddle.Tensor | None = None
+        self.aux_loss_backward_scale = 1.0  # the main loss's backward scale (set through the model)
         self.weight = self.create_parameter(
             [self.num_experts, self.hidden_size],
             dtype="float32",
@@ -187,7 +183,7 @@ class TopKRouter(_RouterBase):
         if self.load_balancing_type == "seq_aux_loss" and self.training and paddle.is_grad_enabled():
             batch, seq = hidden_states.shape[0], hidden_states.shape[1]
             aux_loss = sequence_aux_loss(scores, indices, batch, seq, self.aux_loss_coeff)
-            weights = MoEAuxLossAutoScaler.apply(weights, aux_loss)
+            weights = MoEAuxLossAutoScaler.apply(weights, aux_loss, self.aux_loss_backward_scale)
             self.aux_loss = aux_loss.detach()
         return weights, indices
 
@@ -371,6 +367,10 @@ class MoELayer(FleetLayer):
     def aux_loss(self) -> paddle.Tensor | None:
         """Detached sequence-wise aux loss of the last training forward (None when off or on hash layers)."""
         return self.router.aux_loss
+
+    def set_aux_loss_backward_scale(self, scale: float) -> None:
+        """Backward scale of the aux-loss gradient: the main loss's (loss scale / micro-batches)."""
+        self.router.aux_loss_backward_scale = float(scale)
 
     @property
     def tokens_per_expert(self) -> paddle.Tensor:

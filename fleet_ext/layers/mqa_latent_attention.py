@@ -33,8 +33,7 @@ from fleet_ext.layers.dsa_indexer import (
     gather_rows,
     indexer_kl_loss,
 )
-
-PHASES = ("full_causal", "warmup", "sparse")
+from fleet_ext.parallel.layout import SequenceLayout
 
 
 class MQALatentAttention(FleetLayer):
@@ -60,22 +59,27 @@ class MQALatentAttention(FleetLayer):
             self.phase = "sparse" if config.dsa_indexer_use_sparse_loss else "warmup"
             self.indexer = DSAIndexer(config)
         self.indexer_loss: paddle.Tensor | None = None
+        self.loss_backward_scale = 1.0  # the main loss's backward scale (set through the model)
+
+    def set_aux_loss_backward_scale(self, scale: float) -> None:
+        """Backward scale of the indexer-loss gradient: the main loss's (loss scale / micro-batches)."""
+        self.loss_backward_scale = float(scale)
 
     # -- index tables -----------------------------------------------------------------------------------
     def select(
-        self, x: paddle.Tensor, q_latent: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor
+        self, x: paddle.Tensor, q_latent: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor, layout: SequenceLayout
     ) -> tuple[paddle.Tensor, int]:
         """Sparse-phase KV table [b, s, k_top + W] (int32, -1 invalid) and k_top, without gradient."""
         if self.indexer is None:
             raise ValueError("MQALatentAttention.select: this layer has no indexer (hybrid_mla_attention != mqa_dsa)")
         with paddle.no_grad():
             scores = DSAIndexer.scores(*self.indexer(x, q_latent, cos, sin))
-            return dsa_index_table(scores, self.topk, self.window)
+            return dsa_index_table(scores, self.topk, self.window, layout)
 
     @staticmethod
-    def _full_causal_table(batch: int, seq: int) -> paddle.Tensor:
-        table = index_tables.full_causal_index_table(seq)
-        return table.unsqueeze(0).expand([batch, seq, seq])
+    def _full_causal_table(batch: int, layout: SequenceLayout) -> paddle.Tensor:
+        table = index_tables.full_causal_index_table(layout)
+        return table.unsqueeze(0).expand([batch, *table.shape])
 
     # -- forward ----------------------------------------------------------------------------------------
     def forward(
@@ -88,7 +92,9 @@ class MQALatentAttention(FleetLayer):
         cos: paddle.Tensor,
         sin: paddle.Tensor,
         loss_mask: paddle.Tensor | None = None,
+        layout: SequenceLayout | None = None,
     ) -> paddle.Tensor:
+        """``layout``: the global positions of this rank's queries (default: the whole sequence)."""
         batch, seq = query.shape[0], query.shape[1]
         if key.ndim != 3 or key.shape[-1] != query.shape[-1] or key.shape[:2] != [batch, seq]:
             raise ValueError(
@@ -97,11 +103,13 @@ class MQALatentAttention(FleetLayer):
             )
         if loss_mask is not None and list(loss_mask.shape) != [batch, seq]:
             raise ValueError(f"MQALatentAttention: `loss_mask` must be [{batch}, {seq}], got {loss_mask.shape}")
+        layout = layout or SequenceLayout.whole(seq)
+        layout.check_input("MQALatentAttention", "query", seq)
         self.indexer_loss = None
         with_loss = self.indexer is not None and self.loss_coeff > 0 and self.training and paddle.is_grad_enabled()
         if self.phase == "sparse":
-            return self._forward_sparse(query, key, sink, x, q_latent, cos, sin, loss_mask, with_loss)
-        idx = self._full_causal_table(batch, seq)
+            return self._forward_sparse(query, key, sink, x, q_latent, cos, sin, layout, loss_mask, with_loss)
+        idx = self._full_causal_table(batch, layout)
         out, lse = self._sparse_attn(query, key, idx, sink, self.scale, d_v=self.kv_lora_rank)
         if self.phase == "full_causal" or not with_loss:
             return out
@@ -114,14 +122,16 @@ class MQALatentAttention(FleetLayer):
             attn_logits = attn_logits * self.scale  # [b, s, h, s]
         return self._attach(out, student, attn_logits, lse, causal, loss_mask)
 
-    def _forward_sparse(self, query, key, sink, x, q_latent, cos, sin, loss_mask, with_loss: bool) -> paddle.Tensor:
+    def _forward_sparse(
+        self, query, key, sink, x, q_latent, cos, sin, layout: SequenceLayout, loss_mask, with_loss: bool
+    ) -> paddle.Tensor:
         if not with_loss:
-            idx, _ = self.select(x, q_latent, cos, sin)
+            idx, _ = self.select(x, q_latent, cos, sin, layout)
             out, _ = self._sparse_attn(query, key, idx, sink, self.scale, d_v=self.kv_lora_rank)
             return out
         q_i, k_i, w_i = self.indexer(x, q_latent, cos, sin)
         with paddle.no_grad():
-            idx, k_top = dsa_index_table(DSAIndexer.scores(q_i, k_i, w_i), self.topk, self.window)
+            idx, k_top = dsa_index_table(DSAIndexer.scores(q_i, k_i, w_i), self.topk, self.window, layout)
         out, lse = self._sparse_attn(query, key, idx, sink, self.scale, d_v=self.kv_lora_rank)
         if k_top == 0:  # the forced window covers every key: the indexer chose nothing
             return out
@@ -135,4 +145,4 @@ class MQALatentAttention(FleetLayer):
     def _attach(self, out, student, attn_logits, lse, valid, loss_mask) -> paddle.Tensor:
         kl = indexer_kl_loss(student, attn_logits, lse, valid, loss_mask)
         self.indexer_loss = kl.detach()
-        return DSAIndexerLossAutoScaler.apply(out, kl * self.loss_coeff)
+        return DSAIndexerLossAutoScaler.apply(out, kl * self.loss_coeff, self.loss_backward_scale)

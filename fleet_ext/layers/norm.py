@@ -5,12 +5,9 @@ from __future__ import annotations
 import paddle
 
 from fleet_ext.framework.layer import FleetLayer
+from fleet_ext.ops.q_rms_norm.reference import rms_normalize  # the weightless norm lives in ops (layers -> ops)
 
-
-def rms_normalize(x: paddle.Tensor, eps: float) -> paddle.Tensor:
-    """``x / sqrt(mean(x^2) + eps)`` over the last axis, computed in fp32 and cast back."""
-    xf = x.astype("float32")
-    return (xf * paddle.rsqrt(xf.square().mean(axis=-1, keepdim=True) + eps)).astype(x.dtype)
+__all__ = ["RMSNorm", "rms_normalize"]
 
 
 class RMSNorm(FleetLayer):

@@ -1,7 +1,8 @@
-"""Rotary frequency tables for DSv4 layers (plain RoPE and YaRN with mscale forced to 1).
+"""Rotary frequency tables (plain RoPE and YaRN with mscale forced to 1).
 
-Window-only and full-causal layers use plain RoPE at ``rotary_base``; compressed layers (CSA/HCA)
-use ``csa_compress_rotary_base`` with YaRN (or plain RoPE when their ``*_rope_type`` says so). DSv4
+Which base and variant a layer uses is its kind's ``RopeSpec`` (``fleet_ext.layer_kinds``): window-only
+and full-causal layers plain RoPE at ``rotary_base``; compressed layers (CSA/HCA)
+``csa_compress_rotary_base`` with YaRN (or plain RoPE when their ``*_rope_type`` says so). DSv4
 RoPE is a pure rotation, so the YaRN attention factor is always 1. The rotation itself lives in
 ``fleet_ext.ops.rope`` so a fused kernel can replace it.
 """
@@ -13,7 +14,7 @@ import math
 import numpy as np
 import paddle
 
-from fleet_ext.config import ModelConfig
+from fleet_ext.layer_kinds import RopeSpec
 
 
 def plain_inv_freq(dim: int, base: float) -> np.ndarray:
@@ -40,34 +41,42 @@ def yarn_inv_freq(
 
 
 class RotaryTable:
-    """cos/sin of ``position * inv_freq`` for one layer kind; shape ``[n_pos, dim // 2]`` fp32."""
+    """cos/sin of ``position * inv_freq`` for one layer kind; shape ``[n_pos, dim // 2]`` fp32.
+
+    The tables of a given set of positions are built once (angles in float64 on the host), moved to the
+    device once and cached: a training step with a fixed layout re-uses them.
+    """
 
     def __init__(self, inv_freq: np.ndarray) -> None:
         self.inv_freq = inv_freq
+        self._cache: dict[range, tuple[paddle.Tensor, paddle.Tensor]] = {}
 
     @classmethod
-    def for_layer(cls, config: ModelConfig, ratio: int) -> RotaryTable:
-        """The table a layer with compress ratio ``ratio`` uses (window/full-causal vs compressed)."""
-        dim = config.qk_pos_emb_head_dim
-        if ratio <= 0:
-            return cls(plain_inv_freq(dim, config.rotary_base))
-        rope_type = config.hca_rope_type if ratio == 128 else config.csa_rope_type
-        if rope_type == "rope":
-            return cls(plain_inv_freq(dim, config.csa_compress_rotary_base))
+    def for_spec(cls, spec: RopeSpec) -> RotaryTable:
+        """The table of a layer kind's RoPE (``fleet_ext.layer_kinds.layer_attention(...).rope``)."""
+        if spec.rope_type == "rope":
+            return cls(plain_inv_freq(spec.dim, spec.base))
         return cls(
             yarn_inv_freq(
-                dim,
-                config.csa_compress_rotary_base,
-                config.rotary_scaling_factor,
-                config.original_max_position_embeddings,
-                config.beta_fast,
-                config.beta_slow,
+                spec.dim, spec.base, spec.scaling_factor, spec.original_max_position, spec.beta_fast, spec.beta_slow
             )
         )
 
-    def cos_sin(self, positions: np.ndarray | list[int] | range) -> tuple[paddle.Tensor, paddle.Tensor]:
-        """cos and sin for the given integer positions (angles formed in float64, stored fp32)."""
-        angles = np.asarray(positions, dtype=np.float64)[:, None] * self.inv_freq[None, :]
+    def cos_sin(self, positions: range) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """cos and sin for the global positions ``positions`` (a ``range``: the layout's positions, or a
+        compressor's block starts), cached per range."""
+        if not isinstance(positions, range):
+            raise ValueError(f"RotaryTable.cos_sin: `positions` must be a range, got {type(positions).__name__}")
+        if positions not in self._cache:
+            self._cache[positions] = self._build(np.arange(positions.start, positions.stop, positions.step))
+        return self._cache[positions]
+
+    def cos_sin_at(self, positions: np.ndarray | list[int]) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """cos and sin for arbitrary integer positions (not cached)."""
+        return self._build(np.asarray(positions))
+
+    def _build(self, positions: np.ndarray) -> tuple[paddle.Tensor, paddle.Tensor]:
+        angles = positions.astype(np.float64)[:, None] * self.inv_freq[None, :]
         return (
             paddle.to_tensor(np.cos(angles).astype(np.float32)),
             paddle.to_tensor(np.sin(angles).astype(np.float32)),

@@ -8,12 +8,13 @@ from typing import Any
 import paddle
 
 from fleet_ext.config import FleetExtConfig, load_config
-from fleet_ext.framework.backend import BackendProvider
 from fleet_ext.framework.layer import FleetLayer
 from fleet_ext.framework.spec import build_layer
-from fleet_ext.framework.specs import decoder_layer_spec
 from fleet_ext.layers.mhc import HyperHead
 from fleet_ext.layers.norm import RMSNorm
+from fleet_ext.parallel.layout import SequenceLayout
+from fleet_ext.specs.backend import BackendProvider
+from fleet_ext.specs.layer_specs import decoder_layer_spec
 
 IGNORE_INDEX = -100
 
@@ -73,6 +74,35 @@ class DSv4ForCausalLM(FleetLayer):
                 out[i] = loss
         return out
 
+    # -- auxiliary losses and MoE statistics: what the trainer reads, without reaching into layers ----------
+    def moe_layers(self) -> list[paddle.nn.Layer]:
+        """The MoE layers, in order (their ``tokens_per_expert`` and ``update_expert_bias`` drive balancing)."""
+        from fleet_ext.layers.moe import MoELayer
+
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoELayer)]
+
+    def auxiliary_losses(self) -> dict[str, paddle.Tensor]:
+        """Detached sums over layers of the last training forward's auxiliary losses, for the metrics:
+        ``moe_aux_loss`` (sequence-wise aux loss) and ``indexer_loss`` (DSA indexer KL before its coefficient).
+
+        Both already reach the gradients inside the model through their auto-scalers; each sum is a [1] fp32
+        tensor (zero when no layer computed one), so the trainer can reduce them with the LM loss in one call.
+        """
+        moe = [layer.aux_loss for layer in self.moe_layers() if layer.aux_loss is not None]
+        indexer = list(self.indexer_losses().values())
+        return {
+            name: paddle.add_n([x.astype("float32").reshape([1]) for x in group]) if group
+            else paddle.zeros([1], "float32")
+            for name, group in (("moe_aux_loss", moe), ("indexer_loss", indexer))
+        }
+
+    def set_aux_loss_backward_scale(self, scale: float) -> None:
+        """Gradient scale of every auxiliary loss (MoE aux loss, DSA indexer KL): the main loss's backward
+        scale (Megatron's ``main_loss_backward_scale``). Held by each layer instance, not by a global."""
+        for layer in self.sublayers():
+            if hasattr(layer, "set_aux_loss_backward_scale") and layer is not self:
+                layer.set_aux_loss_backward_scale(scale)
+
     def _check_ids(self, name: str, ids: paddle.Tensor | None, shape: list[int] | None = None) -> None:
         if ids is None:
             return
@@ -81,6 +111,13 @@ class DSv4ForCausalLM(FleetLayer):
             raise ValueError(f"DSv4ForCausalLM: `{name}` must be an int32/int64 tensor [batch, seq], got {got}")
         if shape is not None and list(ids.shape) != shape:
             raise ValueError(f"DSv4ForCausalLM: `{name}` must have the shape of `input_ids` {shape}, got {ids.shape}")
+
+    def sequence_layout(self, seq_len: int) -> SequenceLayout:
+        """The positions this rank's ``seq_len`` tokens hold, built once per forward and handed to every layer.
+
+        Without context parallelism (the only layout built so far) a rank holds the whole sequence.
+        """
+        return SequenceLayout.whole(seq_len)
 
     def forward(self, input_ids: paddle.Tensor, labels: paddle.Tensor | None = None) -> Any:
         self._check_ids("input_ids", input_ids)
@@ -94,8 +131,9 @@ class DSv4ForCausalLM(FleetLayer):
         if self.mhc_head is not None:
             streams = self.config.model.num_residual_streams
             hidden = hidden.unsqueeze(2).expand([*hidden.shape[:2], streams, hidden.shape[-1]])
+        layout = self.sequence_layout(input_ids.shape[1])
         for layer in self.layers:
-            hidden = layer(hidden, input_ids=input_ids)
+            hidden = layer(hidden, input_ids=input_ids, layout=layout)
         if self.mhc_head is not None:
             hidden = self.mhc_head(hidden)
         hidden = self.final_layernorm(hidden)
@@ -118,12 +156,12 @@ class DSv4ForCausalLM(FleetLayer):
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, **overrides: Any) -> DSv4ForCausalLM:
         """Load a transformers DeepSeek-V4 checkpoint directory (config.json + *.safetensors)."""
-        from fleet_ext.checkpoint.hf_dsv4 import load_hf_checkpoint
+        from fleet_ext.models.hf_dsv4 import load_hf_checkpoint
 
         return load_hf_checkpoint(cls, path, **overrides)
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
         """Write a directory that ``transformers.DeepseekV4ForCausalLM.from_pretrained`` loads."""
-        from fleet_ext.checkpoint.hf_dsv4 import save_hf_checkpoint
+        from fleet_ext.models.hf_dsv4 import save_hf_checkpoint
 
         save_hf_checkpoint(self, path)

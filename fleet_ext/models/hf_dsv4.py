@@ -19,6 +19,9 @@ from typing import Any
 
 import numpy as np
 
+from fleet_ext.config import TrainingConfig
+from fleet_ext.layer_kinds import HCA_ENTRY, LayerKind, kinds_of
+
 logger = logging.getLogger(__name__)
 
 _CSA, _HCA, _SWA = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
@@ -86,13 +89,14 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"config.json: model_type must be 'deepseek_v4', got {hf.get('model_type')!r}")
     n_layers = hf["num_hidden_layers"]
     rates = {_CSA: 4, _HCA: 128, **(hf.get("compress_rates") or {})}
-    if rates[_HCA] != 128:
+    if rates[_HCA] != HCA_ENTRY:
         raise ValueError(
-            f"config.json: compress_rates[{_HCA!r}] = {rates[_HCA]} is not supported: fleet_ext (like PaddleFleet) "
-            "reads ratio 128 as HCA and 2..127 as overlapping CSA; re-create the model with an HCA rate of 128"
+            f"config.json: compress_rates[{_HCA!r}] = {rates[_HCA]} is not supported yet: fleet_ext expresses it "
+            "(`hca_compress_ratio`), but importing an HCA rate other than 128 has not been checked against "
+            "transformers' logits; re-create the model with an HCA rate of 128"
         )
     layer_types = hf["layer_types"][:n_layers]
-    ratios = [{_SWA: 0, _CSA: rates[_CSA], _HCA: 128}[t] for t in layer_types]
+    ratios = [{_SWA: 0, _CSA: rates[_CSA], _HCA: HCA_ENTRY}[t] for t in layer_types]
     mlp_types = hf["mlp_layer_types"][:n_layers]
     n_hash = sum(t == "hash_moe" for t in mlp_types)
     if mlp_types[:n_hash] != ["hash_moe"] * n_hash:
@@ -136,6 +140,8 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "pad_token_id": hf.get("pad_token_id") or 0,
         "max_position_embeddings": hf["max_position_embeddings"],
+        # A training sequence cannot be longer than the model's positions (a load_config rule).
+        "max_seq_len": min(TrainingConfig().max_seq_len, hf["max_position_embeddings"]),
         "n_routed_experts": hf["n_routed_experts"],
         "n_shared_experts": 1,  # transformers' shared expert is one MLP of moe_intermediate_size
         "num_experts_per_tok": hf["num_experts_per_tok"],
@@ -157,15 +163,15 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     return flat
 
 
-def config_to_hf(config) -> dict[str, Any]:
-    """A transformers DeepSeek-V4 ``config.json`` dict for a fleet_ext config (raises where HF has no equivalent)."""
+def _export_problems(config: Any, kinds: list[LayerKind], csa: list[int]) -> list[str]:
+    """Why this config has no Hugging Face DeepSeek-V4 equivalent (empty when it has one)."""
     m, moe = config.model, config.moe
-    ratios = m.csa_compress_ratios
-    csa = sorted({r for r in ratios if 2 <= r < 128})
     problems = []
     if not m.enable_hyper_connections:
         problems.append("enable_hyper_connections must be true (DeepSeek-V4 always uses mHC)")
-    if any(r < 0 for r in ratios):
+    if m.hca_compress_ratio != HCA_ENTRY:
+        problems.append(f"hca_compress_ratio = {m.hca_compress_ratio}: only 128 is mapped to Hugging Face so far")
+    if LayerKind.HYBRID_MLA in kinds or LayerKind.FULL_CAUSAL in kinds:
         problems.append("csa_compress_ratios -1/-2 layers have no DeepSeek-V4 equivalent")
     if len(csa) > 1:
         problems.append(f"all CSA layers must share one ratio, got {csa}")
@@ -175,9 +181,11 @@ def config_to_hf(config) -> dict[str, Any]:
         problems.append("DeepSeek-V4 needs n_shared_experts=1, first_k_dense_replace=0, norm_topk_prob=true")
     if m.csa_rope_type != m.hca_rope_type:
         problems.append("csa_rope_type and hca_rope_type must agree (one 'compress' rope in DeepSeek-V4)")
-    if problems:
-        raise ValueError("cannot export to Hugging Face DeepSeek-V4: " + "; ".join(problems))
-    kind = {0: _SWA, 128: _HCA}
+    return problems
+
+
+def _compress_rope_to_hf(m: Any) -> dict[str, Any]:
+    """HF ``rope_parameters['compress']`` of the compressed (CSA/HCA) layers."""
     compress: dict[str, Any] = {
         "rope_theta": m.csa_compress_rotary_base,
         "partial_rotary_factor": m.qk_pos_emb_head_dim / m.v_head_dim,
@@ -193,6 +201,18 @@ def config_to_hf(config) -> dict[str, Any]:
         )
     else:
         compress["rope_type"] = "default"
+    return compress
+
+
+def config_to_hf(config: Any) -> dict[str, Any]:
+    """A transformers DeepSeek-V4 ``config.json`` dict for a fleet_ext config (raises where HF has no equivalent)."""
+    m, moe = config.model, config.moe
+    kinds = kinds_of(m)
+    csa = sorted({r for r, kind in zip(m.csa_compress_ratios, kinds) if kind is LayerKind.CSA})
+    problems = _export_problems(config, kinds, csa)
+    if problems:
+        raise ValueError("cannot export to Hugging Face DeepSeek-V4: " + "; ".join(problems))
+    hf_type = {LayerKind.WINDOW: _SWA, LayerKind.CSA: _CSA, LayerKind.HCA: _HCA}
     return {
         "architectures": ["DeepseekV4ForCausalLM"],
         "model_type": "deepseek_v4",
@@ -213,8 +233,8 @@ def config_to_hf(config) -> dict[str, Any]:
         "max_position_embeddings": m.max_position_embeddings,
         "rope_theta": m.rotary_base,
         "compress_rope_theta": m.csa_compress_rotary_base,
-        "layer_types": [kind.get(r, _CSA) for r in ratios],
-        "compress_rates": {_CSA: csa[0] if csa else 4, _HCA: 128},
+        "layer_types": [hf_type[kind] for kind in kinds],
+        "compress_rates": {_CSA: csa[0] if csa else 4, _HCA: m.hca_compress_ratio},
         "hc_mult": m.num_residual_streams,
         "hc_sinkhorn_iters": m.mhc_sinkhorn_iterations,
         "hc_eps": m.mhc_eps,
@@ -238,7 +258,7 @@ def config_to_hf(config) -> dict[str, Any]:
                 "rope_theta": m.rotary_base,
                 "partial_rotary_factor": m.qk_pos_emb_head_dim / m.v_head_dim,
             },
-            "compress": compress,
+            "compress": _compress_rope_to_hf(m),
         },
         "dtype": "float32",
     }

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from fleet_ext.config import HYBRID_MLA, FleetExtConfig
-from fleet_ext.framework.backend import BackendProvider
+from fleet_ext.config import FleetExtConfig
 from fleet_ext.framework.spec import LayerSpec
+from fleet_ext.layer_kinds import LayerKind, layer_attention
+from fleet_ext.specs.backend import BackendProvider
 
 
 def mlp_spec(config: FleetExtConfig, layer_number: int) -> LayerSpec:
@@ -20,11 +21,11 @@ def mlp_spec(config: FleetExtConfig, layer_number: int) -> LayerSpec:
 
 def decoder_layer_spec(config: FleetExtConfig, layer_number: int, backend: BackendProvider) -> LayerSpec:
     """The TransformerLayer spec for one layer; the attention kind comes from csa_compress_ratios."""
-    from fleet_ext.framework.transformer_layer import TransformerLayer
     from fleet_ext.layers.dsv4_attention import DSv4HybridSelfAttention
+    from fleet_ext.specs.transformer_layer import TransformerLayer
 
     attention_cls = DSv4HybridSelfAttention
-    if config.model.csa_compress_ratios[layer_number] == HYBRID_MLA:
+    if layer_attention(config.model, layer_number).kind is LayerKind.HYBRID_MLA:
         # -2: MLA (dense, or absorbed latent MQA with the DSA indexer).
         from fleet_ext.layers.mla import MLASelfAttention
 

@@ -11,6 +11,7 @@ from fleet_ext.framework.layer import FleetLayer
 from fleet_ext.framework.spec import LayerSpec, build_layer
 from fleet_ext.layers.mhc import HyperConnection, hyper_combine
 from fleet_ext.layers.norm import RMSNorm
+from fleet_ext.parallel.layout import SequenceLayout
 
 
 class TransformerLayer(FleetLayer):
@@ -39,15 +40,25 @@ class TransformerLayer(FleetLayer):
     def _mlp(self, x: paddle.Tensor, input_ids: paddle.Tensor | None) -> paddle.Tensor:
         return self.mlp(x, input_ids=input_ids) if self.mlp_routes_tokens else self.mlp(x)
 
-    def _attention(self, x: paddle.Tensor, input_ids: paddle.Tensor | None) -> paddle.Tensor:
-        return self.self_attention(x, input_ids=input_ids) if self.attention_takes_ids else self.self_attention(x)
+    def _attention(
+        self, x: paddle.Tensor, input_ids: paddle.Tensor | None, layout: SequenceLayout | None
+    ) -> paddle.Tensor:
+        if self.attention_takes_ids:
+            return self.self_attention(x, input_ids=input_ids, layout=layout)
+        return self.self_attention(x, layout=layout)
 
-    def forward(self, hidden_states: paddle.Tensor, input_ids: paddle.Tensor | None = None) -> paddle.Tensor:
+    def forward(
+        self,
+        hidden_states: paddle.Tensor,
+        input_ids: paddle.Tensor | None = None,
+        layout: SequenceLayout | None = None,
+    ) -> paddle.Tensor:
+        """``layout``: the global positions this rank's tokens hold (the model builds it once per forward)."""
         if not self.use_mhc:
-            hidden_states = hidden_states + self._attention(self.input_layernorm(hidden_states), input_ids)
+            hidden_states = hidden_states + self._attention(self.input_layernorm(hidden_states), input_ids, layout)
             return hidden_states + self._mlp(self.pre_mlp_layernorm(hidden_states), input_ids)
         post, comb, collapsed = self.mhc_attn(hidden_states)
-        attn_out = self._attention(self.input_layernorm(collapsed), input_ids)
+        attn_out = self._attention(self.input_layernorm(collapsed), input_ids, layout)
         hidden_states = hyper_combine(hidden_states, attn_out, post, comb)
         post, comb, collapsed = self.mhc_mlp(hidden_states)
         mlp_out = self._mlp(self.pre_mlp_layernorm(collapsed), input_ids)

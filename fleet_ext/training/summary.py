@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from fleet_ext.config import layer_kind
+from fleet_ext.layer_kinds import kinds_of
 
 __all__ = ["startup_table", "count_parameters"]
 
@@ -33,7 +33,7 @@ def startup_table(
 ) -> str:
     m, moe, par, t = config.model, config.moe, config.parallel, config.training
     total, trainable = count_parameters(model)
-    kinds = Counter(layer_kind(r) for r in m.csa_compress_ratios)
+    kinds = Counter(kind.value for kind in kinds_of(m))
     layers = ", ".join(f"{n} {k}" for k, n in kinds.items())
     per_step = t.per_device_train_batch_size * t.gradient_accumulation_steps * env.world_size
     rows = [

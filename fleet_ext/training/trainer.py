@@ -19,7 +19,6 @@ One optimizer step on each rank:
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import math
 import random
 import sys
@@ -30,12 +29,15 @@ from typing import Any
 import numpy as np
 import paddle
 
+from fleet_ext import capability
 from fleet_ext.config import FleetExtConfig
-from fleet_ext.layers.moe import MoEAuxLossAutoScaler, MoELayer
+from fleet_ext.layer_kinds import LayerKind, kinds_of
 from fleet_ext.models import DSv4ForCausalLM
+from fleet_ext.ops.launch import LAUNCH_COUNTS
+from fleet_ext.parallel.distributed import DistEnv, init_distributed
+from fleet_ext.registry import check_capability
 from fleet_ext.training import checkpoint as ckpt
 from fleet_ext.training.data import SampleOrder, TrainingData, prepare_data
-from fleet_ext.training.distributed import DistEnv, init_distributed
 from fleet_ext.training.faults import FaultPlan
 from fleet_ext.training.metrics import LOSS_PLOT, MetricsLog, plot_loss
 from fleet_ext.training.optim import build_optimizer, clip_grad_norm_
@@ -48,25 +50,19 @@ class TrainingError(RuntimeError):
     """The run cannot continue (non-finite loss or gradient); checkpoints are left as they were."""
 
 
-def check_runtime(config: FleetExtConfig) -> None:
-    """Checks that need the machine or span sections; raise ``ValueError`` naming key, reason and fix."""
-    t, m = config.training, config.model
-    cuda = paddle.is_compiled_with_cuda()
-    if t.bf16 and not cuda:
+def check_runtime(config: FleetExtConfig, cap: capability.Capability | None = None) -> None:
+    """The one check of rules that need this machine; raise ``ValueError`` naming key, reason and fix.
+
+    Everything that needs only the config (``params_dtype``, ``max_seq_len`` vs ``max_position_embeddings``,
+    ...) already failed in ``load_config``; left here: bf16 on the Paddle build, and every fusion switch's
+    capability gate (``registry.check_capability``, the backend provider's gate, run without building a model).
+    """
+    if config.training.bf16 and not paddle.is_compiled_with_cuda():
         raise ValueError(
             "config key `bf16` = True cannot run on this machine: Paddle's CPU build has no bf16 matmul kernels. "
             "Fix: set `bf16: false` (CPU training runs in fp32)"
         )
-    if m.params_dtype != "float32":
-        raise ValueError(
-            f"config key `params_dtype` = '{m.params_dtype}': the trainer keeps fp32 master weights. "
-            "Fix: set `params_dtype: float32` (and `bf16: true` on GPU for bf16 compute)"
-        )
-    if t.max_seq_len > m.max_position_embeddings:
-        raise ValueError(
-            f"config key `max_seq_len` = {t.max_seq_len} is invalid: allowed <= max_position_embeddings "
-            f"({m.max_position_embeddings}). Fix: shorten the sequences or raise max_position_embeddings"
-        )
+    check_capability(config, cap or capability.detect())
 
 
 def _seed_all(seed: int) -> None:
@@ -86,7 +82,7 @@ class Trainer:
         faults: FaultPlan | None = None,
         log_stream: Any = None,
     ) -> None:
-        check_runtime(config)
+        check_runtime(config)  # before joining the process group or building the model
         self.config = config
         t = config.training
         self.data = data or prepare_data(t, config.model.vocab_size)
@@ -102,7 +98,7 @@ class Trainer:
         _seed_all(t.seed + self.env.rank)
         self.optimizer, self.scheduler, self.no_decay = build_optimizer(self.model, t)
         self.params = [p for p in self.model.parameters() if not p.stop_gradient]
-        self.moe_layers = [layer for layer in self.model.sublayers() if isinstance(layer, MoELayer)]
+        self.moe_layers = self.model.moe_layers()
         self.order = SampleOrder(
             len(self.data.train),
             t.per_device_train_batch_size,
@@ -140,27 +136,18 @@ class Trainer:
     def _aux_losses(self) -> list[paddle.Tensor]:
         """Detached values of the last forward's auxiliary losses, for the metrics: [MoE seq aux, indexer KL].
 
-        Both losses reach the gradients inside the model (``MoEAuxLossAutoScaler`` and the DSA indexer's
-        auto-scaler, each already multiplied by its coefficient, e.g. ``dsa_indexer_loss_coeff``); the trainer
-        only sets their backward scale (:meth:`_set_aux_loss_scales`) and logs them.
+        Both losses reach the gradients inside the model (their auto-scalers, each already multiplied by its
+        coefficient, e.g. ``dsa_indexer_loss_coeff``); the trainer only sets their backward scale
+        (:meth:`_set_aux_loss_scales`) and logs them.
         """
-        moe = [layer.aux_loss for layer in self.moe_layers if layer.aux_loss is not None]
-        indexer = list(self.model.indexer_losses().values()) if hasattr(self.model, "indexer_losses") else []
-        return [
-            paddle.add_n([x.astype("float32").reshape([1]) for x in group]) if group else paddle.zeros([1], "float32")
-            for group in (moe, indexer)
-        ]
+        losses = self.model.auxiliary_losses()
+        return [losses["moe_aux_loss"], losses["indexer_loss"]]
 
-    @staticmethod
-    def _set_aux_loss_scales() -> None:
+    def _set_aux_loss_scales(self) -> None:
         """Auxiliary-loss gradients get the main loss's backward scale: 1, as each micro-batch's mean loss is
         back-propagated unscaled and the 1 / (accumulation x world) average is applied once to the summed
         gradients (see the module docstring)."""
-        MoEAuxLossAutoScaler.set_loss_scale(1.0)
-        if importlib.util.find_spec("fleet_ext.layers.dsa_indexer") is not None:  # the -2 layers' indexer KL
-            from fleet_ext.layers.dsa_indexer import DSAIndexerLossAutoScaler
-
-            DSAIndexerLossAutoScaler.set_loss_scale(1.0)
+        self.model.set_aux_loss_backward_scale(1.0)
 
     def train_step(self, step: int) -> dict[str, float]:
         """Compute global step ``step`` (1-based); return its metrics."""
@@ -205,7 +192,8 @@ class Trainer:
         if self.config.moe.moe_router_load_balancing_type != "none":
             out["moe_aux_loss"] = moe_aux
         if self.config.model.dsa_indexer_loss_coeff > 0:  # mean over the -2 layers, as the model reports them
-            out["indexer_loss"] = indexer / max(self.config.model.csa_compress_ratios.count(-2), 1)
+            n_mla = kinds_of(self.config.model).count(LayerKind.HYBRID_MLA)
+            out["indexer_loss"] = indexer / max(n_mla, 1)
         return out
 
     def _nonfinite(self, what: str, value: float, step: int) -> str:
@@ -300,6 +288,61 @@ class Trainer:
 
     # -- the loop ------------------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
+        """Resume if asked, print the start-up table, run up to ``max_steps``; return the run's summary."""
+        t = self.config.training
+        self._prepare_run()
+        first_loss = last_loss = None
+        tokens_per_step = self.order.global_batch * t.max_seq_len
+        start_step = self.global_step
+        if start_step >= t.max_steps:
+            self.log(f"nothing to train: step {start_step} >= max_steps {t.max_steps}")
+        self._bar = self._progress_bar(start_step)
+        run_start = window_start = time.perf_counter()
+        compute_time, window_steps = 0.0, 0
+        try:
+            for step in range(start_step + 1, t.max_steps + 1):
+                step_start = time.perf_counter()
+                out = self.train_step(step)
+                now = time.perf_counter()
+                compute_time += now - step_start
+                window_steps += 1
+                first_loss = out["loss"] if first_loss is None else first_loss
+                last_loss = out["loss"]
+                tokens_per_sec = window_steps * tokens_per_step / max(now - window_start, 1e-9)
+                if self._bar is not None:
+                    postfix = {"loss": f"{out['loss']:.4f}", "lr": f"{out['lr']:.2e}"}
+                    self._bar.set_postfix({**postfix, "tok/s": f"{tokens_per_sec:,.0f}"}, refresh=False)
+                    self._bar.update(1)
+                if step % t.logging_steps == 0 or step == t.max_steps:
+                    self._write_step_metrics(step, out, tokens_per_sec, now - run_start)
+                    window_start, window_steps = time.perf_counter(), 0
+                extra_start = time.perf_counter()  # evaluation and saving do not count towards tokens/s
+                self._evaluate_and_save(step)
+                window_start += time.perf_counter() - extra_start
+        finally:
+            if self._bar is not None:
+                self._bar.close()
+            self._bar = None
+        steps_run = self.global_step - start_step
+        if steps_run and LAUNCH_COUNTS:  # which fused kernels this rank ran: proof a switch really took effect
+            self.metrics.write({"step": self.global_step, "kernel_launches": dict(sorted(LAUNCH_COUNTS.items()))})
+        summary = {
+            "steps": steps_run,
+            "global_step": self.global_step,
+            "first_loss": first_loss,
+            "last_loss": last_loss,
+            "tokens_per_sec": steps_run * tokens_per_step / compute_time if compute_time else None,
+            "checkpoint": str(self.out / f"{ckpt.CHECKPOINT_PREFIX}{self.last_saved_step}")
+            if self.last_saved_step is not None
+            else None,
+            **self.last_eval,
+        }
+        if self.env.is_main and self.metrics.records:
+            plot_loss(self.metrics.records, self.out / LOSS_PLOT, title=f"fleet_ext pretraining: {self.out.name}")
+        return summary
+
+    def _prepare_run(self) -> str | None:
+        """Agree on the checkpoint to resume from, clear partial saves, print the start-up table, resume."""
         t, env = self.config.training, self.env
         resume_path = ckpt.resolve_resume(t.resume_from_checkpoint, self.out)
         resume_path = env.agree(str(resume_path) if resume_path else None, "the checkpoint to resume from")
@@ -317,92 +360,41 @@ class Trainer:
             self.resume(Path(resume_path))
         self._set_aux_loss_scales()
         self.metrics.start(self.global_step if resume_path else None)
-        first_loss = last_loss = None
-        tokens_per_step = self.order.global_batch * t.max_seq_len
-        start_step = self.global_step
-        if start_step >= t.max_steps:
-            self.log(f"nothing to train: step {start_step} >= max_steps {t.max_steps}")
-        bar = None
-        if env.is_main and not t.disable_tqdm and start_step < t.max_steps:
-            from tqdm import tqdm
+        return resume_path
 
-            bar = tqdm(
-                total=t.max_steps,
-                initial=start_step,
-                desc="train",
-                unit="step",
-                dynamic_ncols=True,
-                mininterval=0.5,
-                file=sys.stderr,
-            )
-        self._bar = bar
-        run_start = window_start = time.perf_counter()
-        compute_time, window_steps = 0.0, 0
-        try:
-            for step in range(start_step + 1, t.max_steps + 1):
-                step_start = time.perf_counter()
-                out = self.train_step(step)
-                now = time.perf_counter()
-                compute_time += now - step_start
-                window_steps += 1
-                first_loss = out["loss"] if first_loss is None else first_loss
-                last_loss = out["loss"]
-                tokens_per_sec = window_steps * tokens_per_step / max(now - window_start, 1e-9)
-                if bar is not None:
-                    postfix = {
-                        "loss": f"{out['loss']:.4f}",
-                        "lr": f"{out['lr']:.2e}",
-                        "tok/s": f"{tokens_per_sec:,.0f}",
-                    }
-                    bar.set_postfix(postfix, refresh=False)
-                    bar.update(1)
-                if step % t.logging_steps == 0 or step == t.max_steps:
-                    self.metrics.write(
-                        {
-                            "step": step,
-                            "loss": out["loss"],
-                            "lr": out["lr"],
-                            "grad_norm": out["grad_norm"],
-                            **{k: out[k] for k in ("moe_aux_loss", "indexer_loss") if k in out},
-                            "tokens_per_sec": tokens_per_sec,
-                            "tokens": self.consumed_samples * t.max_seq_len,
-                            "epoch": self.order.epoch(self.consumed_samples),
-                            "elapsed_s": now - run_start,
-                        }
-                    )
-                    window_start, window_steps = time.perf_counter(), 0
-                is_last = step == t.max_steps
-                extra_start = time.perf_counter()  # evaluation and saving do not count towards tokens/s
-                if t.eval_iters and ((t.eval_steps and step % t.eval_steps == 0) or is_last):
-                    result = self.evaluate()
-                    self.metrics.write({"step": step, **result})
-                    self.log(
-                        f"step {step}: held-out loss {result['eval_loss']:.4f}, perplexity {result['eval_ppl']:.2f}"
-                    )
-                if (t.save_steps and step % t.save_steps == 0) or is_last:
-                    self.save()
-                window_start += time.perf_counter() - extra_start
-        finally:
-            if bar is not None:
-                bar.close()
-            self._bar = None
-        steps_run = self.global_step - start_step
-        summary = {
-            "steps": steps_run,
-            "global_step": self.global_step,
-            "first_loss": first_loss,
-            "last_loss": last_loss,
-            "tokens_per_sec": steps_run * tokens_per_step / compute_time if compute_time else None,
-            "checkpoint": str(self.out / f"{ckpt.CHECKPOINT_PREFIX}{self.last_saved_step}")
-            if self.last_saved_step is not None
-            else None,
-            **self.last_eval,
-        }
-        if env.is_main and self.metrics.records:
-            plot_loss(self.metrics.records, self.out / LOSS_PLOT, title=f"fleet_ext pretraining: {self.out.name}")
-        return summary
+    def _progress_bar(self, start_step: int) -> Any:
+        """A tqdm bar on rank 0 (None elsewhere, with ``disable_tqdm``, or with nothing left to train)."""
+        t = self.config.training
+        if not self.env.is_main or t.disable_tqdm or start_step >= t.max_steps:
+            return None
+        from tqdm import tqdm
 
+        return tqdm(total=t.max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
+                    mininterval=0.5, file=sys.stderr)
 
-def run_training(config: FleetExtConfig, faults: FaultPlan | None = None) -> dict[str, Any]:
-    """Build a :class:`Trainer` for ``config`` (joining the launcher's process group) and train."""
-    return Trainer(config, faults=faults).train()
+    def _write_step_metrics(self, step: int, out: dict[str, float], tokens_per_sec: float, elapsed: float) -> None:
+        t = self.config.training
+        self.metrics.write(
+            {
+                "step": step,
+                "loss": out["loss"],
+                "lr": out["lr"],
+                "grad_norm": out["grad_norm"],
+                **{k: out[k] for k in ("moe_aux_loss", "indexer_loss") if k in out},
+                "tokens_per_sec": tokens_per_sec,
+                "tokens": self.consumed_samples * t.max_seq_len,
+                "epoch": self.order.epoch(self.consumed_samples),
+                "elapsed_s": elapsed,
+            }
+        )
+
+    def _evaluate_and_save(self, step: int) -> None:
+        """Held-out evaluation every ``eval_steps`` and a checkpoint every ``save_steps`` (both at the end)."""
+        t = self.config.training
+        is_last = step == t.max_steps
+        if t.eval_iters and ((t.eval_steps and step % t.eval_steps == 0) or is_last):
+            result = self.evaluate()
+            self.metrics.write({"step": step, **result})
+            self.log(f"step {step}: held-out loss {result['eval_loss']:.4f}, perplexity {result['eval_ppl']:.2f}")
+        if (t.save_steps and step % t.save_steps == 0) or is_last:
+            self.save()

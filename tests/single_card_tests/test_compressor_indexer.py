@@ -2,39 +2,48 @@
 
 Every parameter is overwritten with non-trivial random values (ape and the norm weight start at 0 / 1, which
 would hide a wrong slot or channel alignment) and copied to the oracle.
-Tolerances: fp32 layer vs float64 oracle on O(1) values over contractions of <= 32 terms, then RMSNorm:
-~1e-6 relative error, so 2e-5. Gradients: fp32 autograd vs central differences of the float64 oracle
-(step 1e-6, truncation ~1e-12, rounding ~1e-10); fp32 accumulation over 2 x 320 tokens measured at ~5e-7 of
-the largest gradient entry, so 1e-4 of it (200x headroom, tighter than the usual 1e-3).
+Tolerances (tests/helpers/tolerances.py, fp32): the layer vs the float64 oracle on O(1) values over
+contractions of <= 32 terms, then RMSNorm (~1e-6 relative): ``oracle_compressor``. Gradients: fp32 autograd
+vs central differences of the float64 oracle (step 1e-6, truncation ~1e-12, rounding ~1e-10); fp32
+accumulation over 2 x 320 tokens measured at ~5e-7 of the largest gradient entry: ``fd_grad_of_max``.
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
-import oracles as orc
 import paddle
 import pytest
+from helpers import assert_close, tiny_model, tolerance
+from helpers import oracles as orc
 
 from fleet_ext.config import load_config
+from fleet_ext.layer_kinds import LayerAttention, layer_attention
 from fleet_ext.layers.compressor import Compressor
-from fleet_ext.layers.indexer import CSAIndexer
+from fleet_ext.layers.csa_indexer import CSAIndexer
 from fleet_ext.ops.rope.reference import apply_partial_rope
+from fleet_ext.parallel.layout import SequenceLayout
 
-FP32_TOL = {"rtol": 2e-5, "atol": 2e-5}
-GRAD_RTOL = 1e-4
+whole = SequenceLayout.whole
+
 HEAD_DIM, ROPE_DIM, HIDDEN = 16, 8, 32
 
 
 def make_config(**overrides):
-    base = {
-        "vocab_size": 64, "hidden_size": HIDDEN, "num_hidden_layers": 3, "num_attention_heads": 4, "q_lora_rank": 16,
-        "v_head_dim": HEAD_DIM, "qk_pos_emb_head_dim": ROPE_DIM, "csa_compress_ratios": [0, 4, 128],
-        "csa_window_size": 8, "o_groups": 2, "o_lora_rank": 8, "dsa_index_n_heads": 4, "dsa_index_head_dim": 16,
-        "dsa_index_topk": 3, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
-        "moe_n_hash_layers": 1, "original_max_position_embeddings": 64, "rotary_scaling_factor": 4.0,
-    }
-    base.update(overrides)
-    return load_config(base).model
+    base = tiny_model(hidden_size=HIDDEN, num_hidden_layers=3, v_head_dim=HEAD_DIM, qk_pos_emb_head_dim=ROPE_DIM,
+                      csa_compress_ratios=[0, 4, 128], dsa_index_n_heads=4, dsa_index_head_dim=16,
+                      init_method_std=0.02)
+    return load_config({**base, **overrides}).model
+
+
+def kind_for(cfg, entry: int) -> LayerAttention:
+    """The layer-kind table's answer for a layer whose csa_compress_ratios entry is ``entry``."""
+    return layer_attention(SimpleNamespace(**{**vars(cfg), "csa_compress_ratios": [entry]}), 0)
+
+
+def compress(comp: Compressor, x: paddle.Tensor) -> paddle.Tensor:
+    return comp(x, whole(x.shape[1]))
 
 
 def yarn_freq(cfg):
@@ -58,9 +67,9 @@ def randomize_compressor(comp: Compressor, rng) -> dict:
     return {k: v.astype("float32").astype(np.float64) for k, v in values.items()}
 
 
-def oracle_compress(comp: Compressor, params: dict, x: np.ndarray, cfg) -> np.ndarray:
+def oracle_compress(comp: Compressor, params: dict, x: np.ndarray, cfg, overlap: bool) -> np.ndarray:
     return orc.compressor(x, params["wkv"], params["wgate"], params["ape"], params["norm"], comp.ratio, comp.head_dim,
-                          comp.ratio < 128, yarn_freq(cfg), cfg.rms_norm_eps)
+                          overlap, yarn_freq(cfg), cfg.rms_norm_eps)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -74,7 +83,7 @@ def oracle_compress(comp: Compressor, params: dict, x: np.ndarray, cfg) -> np.nd
 def test_compressor_matches_oracle(ratio, seq, overlap):
     cfg = make_config()
     paddle.seed(0)
-    comp = Compressor(cfg, ratio, HEAD_DIM, apply_partial_rope)
+    comp = Compressor(cfg, kind_for(cfg, ratio), HEAD_DIM, apply_partial_rope)
     assert comp.overlap is overlap
     coff = 2 if overlap else 1
     assert list(comp.ape.shape) == [ratio, coff * HEAD_DIM]
@@ -82,30 +91,46 @@ def test_compressor_matches_oracle(ratio, seq, overlap):
     rng = np.random.default_rng(ratio)
     params = randomize_compressor(comp, rng)
     x = rng.standard_normal((2, seq, HIDDEN)).astype("float32")
-    got = comp(paddle.to_tensor(x)).numpy()
+    got = compress(comp, paddle.to_tensor(x)).numpy()
     assert got.shape == (2, seq // ratio, HEAD_DIM), got.shape
-    want = oracle_compress(comp, params, x, cfg)
-    np.testing.assert_allclose(got, want, **FP32_TOL)
+    want = oracle_compress(comp, params, x, cfg, overlap)
+    assert_close(got, want, "fp32", "oracle_compressor")
     # The tail (seq % ratio tokens) must be dropped: changing it changes nothing.
     x2 = x.copy()
     x2[:, (seq // ratio) * ratio :] += 5.0
-    np.testing.assert_array_equal(comp(paddle.to_tensor(x2)).numpy(), got, err_msg="tail tokens leaked into entries")
+    leaked = compress(comp, paddle.to_tensor(x2)).numpy()
+    np.testing.assert_array_equal(leaked, got, err_msg="tail tokens leaked into entries")
     # Conversely the ape must matter (a zero or ignored ape would pass the comparison above only by luck).
     params_no_ape = dict(params, ape=np.zeros_like(params["ape"]))
-    assert np.abs(oracle_compress(comp, params_no_ape, x, cfg) - want).max() > 1e-2
+    assert np.abs(oracle_compress(comp, params_no_ape, x, cfg, overlap) - want).max() > 1e-2
+
+
+def test_hca_rate_comes_from_hca_compress_ratio():
+    """The entry 128 marks an HCA layer; it pools `hca_compress_ratio` tokens per entry, without overlap."""
+    cfg = make_config(hca_compress_ratio=16)
+    attention = kind_for(cfg, 128)
+    assert (attention.kind.value, attention.compress_ratio, attention.overlapping_compressor) == ("hca", 16, False)
+    paddle.seed(0)
+    comp = Compressor(cfg, attention, HEAD_DIM, apply_partial_rope)
+    rng = np.random.default_rng(16)
+    params = randomize_compressor(comp, rng)
+    x = rng.standard_normal((3, 37, HIDDEN)).astype("float32")
+    got = compress(comp, paddle.to_tensor(x)).numpy()
+    assert got.shape == (3, 37 // 16, HEAD_DIM), got.shape
+    assert_close(got, oracle_compress(comp, params, x, cfg, overlap=False), "fp32", "oracle_compressor")
 
 
 def test_compressor_overlap_uses_previous_block_first_half():
     """CSA entry i (i >= 1) depends on block i-1 only through the first half of the channels; entry 0 does not."""
     cfg = make_config()
-    comp = Compressor(cfg, 4, HEAD_DIM, apply_partial_rope)
+    comp = Compressor(cfg, kind_for(cfg, 4), HEAD_DIM, apply_partial_rope)
     rng = np.random.default_rng(7)
     randomize_compressor(comp, rng)
     x = rng.standard_normal((1, 12, HIDDEN)).astype("float32")
-    base = comp(paddle.to_tensor(x)).numpy()
+    base = compress(comp, paddle.to_tensor(x)).numpy()
     x2 = x.copy()
     x2[:, 4:8] += 1.0  # block 1
-    moved = comp(paddle.to_tensor(x2)).numpy()
+    moved = compress(comp, paddle.to_tensor(x2)).numpy()
     np.testing.assert_array_equal(moved[:, 0], base[:, 0], err_msg="entry 0 must not see block 1")
     assert np.abs(moved[:, 1] - base[:, 1]).max() > 1e-3 and np.abs(moved[:, 2] - base[:, 2]).max() > 1e-3, (
         "entries 1 (own block) and 2 (previous block via overlap) must both change"
@@ -113,34 +138,34 @@ def test_compressor_overlap_uses_previous_block_first_half():
 
 
 def test_compressor_shorter_than_one_block():
-    comp = Compressor(make_config(), 128, HEAD_DIM, apply_partial_rope)
-    out = comp(paddle.to_tensor(np.ones((2, 100, HIDDEN), dtype="float32")))
+    comp = Compressor(make_config(), kind_for(make_config(), 128), HEAD_DIM, apply_partial_rope)
+    out = compress(comp, paddle.to_tensor(np.ones((2, 100, HIDDEN), dtype="float32")))
     assert list(out.shape) == [2, 0, HEAD_DIM]
 
 
 @pytest.mark.parametrize("ratio,seq", [(4, 10), (128, 320)], ids=["csa4", "hca128"])
 def test_compressor_gradients_vs_finite_differences(ratio, seq):
     cfg = make_config()
-    comp = Compressor(cfg, ratio, HEAD_DIM, apply_partial_rope)
+    comp = Compressor(cfg, kind_for(cfg, ratio), HEAD_DIM, apply_partial_rope)
     rng = np.random.default_rng(100 + ratio)
     params = randomize_compressor(comp, rng)
     x = rng.standard_normal((2, seq, HIDDEN)).astype("float32")
     g = rng.standard_normal((2, seq // ratio, HEAD_DIM))
 
-    out = comp(paddle.to_tensor(x))
+    out = compress(comp, paddle.to_tensor(x))
     (out * paddle.to_tensor(g.astype("float32"))).sum().backward()
     grad_ape = comp.ape.grad.numpy().reshape(-1)
     grad_wgate = comp.linear_wgate.weight.grad.numpy().reshape(-1)
 
     def loss():
-        return float((oracle_compress(comp, params, x, cfg) * g).sum())
+        return float((oracle_compress(comp, params, x, cfg, overlap=ratio < 128) * g).sum())
 
     for name, grad, n_coords in (("ape", grad_ape, 128), ("wgate", grad_wgate, 64)):
         coords = rng.choice(grad.size, size=min(n_coords, grad.size), replace=False)
         fd = orc.central_fd(loss, params[name], coords)
         scale = np.abs(fd).max()
         assert scale > 1e-3, f"{name}: the sampled gradient is ~0, the check would be vacuous"
-        np.testing.assert_allclose(grad[coords], fd, rtol=0, atol=GRAD_RTOL * scale, err_msg=f"d loss / d {name}")
+        assert_close(grad[coords], fd, "fp32", "fd_grad_of_max", what=f"d loss / d {name}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -149,7 +174,7 @@ def test_compressor_gradients_vs_finite_differences(ratio, seq):
 def build_indexer(seed=0, **cfg_overrides):
     cfg = make_config(**cfg_overrides)
     paddle.seed(seed)
-    idxr = CSAIndexer(cfg, 4, apply_partial_rope)
+    idxr = CSAIndexer(cfg, kind_for(cfg, 4), apply_partial_rope)
     rng = np.random.default_rng(seed)
     params = randomize_compressor(idxr.compressor, rng)
     wq = rng.standard_normal(idxr.linear_wq_b.weight.shape).astype("float32") * 0.3
@@ -161,8 +186,8 @@ def build_indexer(seed=0, **cfg_overrides):
 
 
 def oracle_scores(cfg, idxr, params, x, q_latent):
-    keys = oracle_compress(idxr.compressor, params, x, cfg)
-    return orc.indexer_scores(x, q_latent, params["wq"], params["ww"], keys, cfg.dsa_index_n_heads,
+    keys = oracle_compress(idxr.compressor, params, x, cfg, overlap=True)
+    return orc.csa_indexer_scores(x, q_latent, params["wq"], params["ww"], keys, cfg.dsa_index_n_heads,
                               cfg.dsa_index_head_dim, yarn_freq(cfg))
 
 
@@ -170,11 +195,11 @@ def test_indexer_scores_match_oracle():
     cfg, idxr, params, rng = build_indexer()
     x = rng.standard_normal((2, 20, HIDDEN)).astype("float32")
     ql = rng.standard_normal((2, 20, cfg.q_lora_rank)).astype("float32")
-    got = idxr.scores(paddle.to_tensor(x), paddle.to_tensor(ql)).numpy()
+    got = idxr.scores(paddle.to_tensor(x), paddle.to_tensor(ql), whole(x.shape[1])).numpy()
     want = oracle_scores(cfg, idxr, params, x, ql)
     assert got.shape == (2, 20, 5)
     assert (want > 0).any() and (want < 0).any(), "head weights of both signs must be exercised"
-    np.testing.assert_allclose(got, want, **FP32_TOL)
+    assert_close(got, want, "fp32", "oracle_compressor")
 
 
 @pytest.mark.parametrize("seq,topk", [(20, 3), (18, 8), (23, 1)])
@@ -182,7 +207,7 @@ def test_indexer_topk_sets_match_oracle(seq, topk):
     cfg, idxr, params, rng = build_indexer(seed=seq, dsa_index_topk=topk)
     x = rng.standard_normal((2, seq, HIDDEN)).astype("float32")
     ql = rng.standard_normal((2, seq, cfg.q_lora_rank)).astype("float32")
-    ids = idxr(paddle.to_tensor(x), paddle.to_tensor(ql))
+    ids = idxr(paddle.to_tensor(x), paddle.to_tensor(ql), whole(x.shape[1]))
     assert ids.dtype == paddle.int32, ids.dtype
     ids = ids.numpy()
     n_comp = seq // 4
@@ -190,7 +215,7 @@ def test_indexer_topk_sets_match_oracle(seq, topk):
     assert ids.shape == (2, seq, width), ids.shape
     scores = oracle_scores(cfg, idxr, params, x, ql)
     visible = orc.visible_count(seq, 4)
-    tie_tol = 1e-4  # fp32 score rounding is ~1e-6; closer oracle scores are treated as ties
+    tie_tol = tolerance("fp32", "topk_tie").atol  # closer oracle scores are treated as ties
     exact_rows = rows_with_invalid = rows_mask_matters = 0
     for b in range(2):
         for t in range(seq):
@@ -230,13 +255,13 @@ def test_indexer_inputs_are_detached():
     x = paddle.to_tensor(rng.standard_normal((1, 12, HIDDEN)).astype("float32"), stop_gradient=False)
     ql = paddle.to_tensor(rng.standard_normal((1, 12, cfg.q_lora_rank)).astype("float32"), stop_gradient=False)
     # Control: the score path itself is differentiable w.r.t. both inputs, so "no gradient" below is meaningful.
-    idxr.scores(x, ql).sum().backward()
+    idxr.scores(x, ql, whole(x.shape[1])).sum().backward()
     assert x.grad is not None and float(x.grad.abs().sum()) > 0
     assert ql.grad is not None and float(ql.grad.abs().sum()) > 0
     x.clear_gradient()
     ql.clear_gradient()
     idxr.clear_gradients()
-    ids = idxr(x, ql)
+    ids = idxr(x, ql, whole(x.shape[1]))
     assert ids.stop_gradient, "the top-k ids must carry no autograd graph"
     assert not x.stop_gradient and not ql.stop_gradient, "forward must not flip the caller's tensors"
     # Use the ids downstream next to a differentiable path through x: x gets exactly the direct gradient.

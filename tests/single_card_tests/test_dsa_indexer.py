@@ -1,12 +1,16 @@
 """DSA indexer of -2 layers vs independent float64 NumPy oracles: Hadamard, [pe | nope] RoPE, scores, the top-k +
-forced-window table, the KL loss and its gradient, detached inputs, and the loss auto-scaler."""
+forced-window table, the KL loss and its gradient, detached inputs, and the loss auto-scaler.
+
+Tolerances: tests/helpers/tolerances.py (fp32 ``rotation``, ``norm_preserved``, ``oracle_layer``,
+``gathered_scores``, ``kl_loss``; float64 ``orthogonal_rotation``); the auto-scaler's gradients are exact."""
 
 from __future__ import annotations
 
-import mla_oracles as orc
 import numpy as np
 import paddle
 import pytest
+from helpers import TINY_HYBRID_MLA, assert_bitwise, assert_close
+from helpers import oracles as orc
 
 from fleet_ext.config import load_config
 from fleet_ext.layers.dsa_indexer import (
@@ -23,10 +27,7 @@ BASE = {
     "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "q_lora_rank": 16,
     "v_head_dim": 16, "qk_pos_emb_head_dim": 8, "csa_compress_ratios": [0, -2], "o_groups": 2, "o_lora_rank": 8,
     "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "moe_n_hash_layers": 0,
-    "hybrid_mla_q_lora_rank": 12, "hybrid_mla_kv_lora_rank": 16, "hybrid_mla_qk_nope_head_dim": 8,
-    "hybrid_mla_qk_rope_head_dim": 8, "hybrid_mla_v_head_dim": 8, "hybrid_mla_num_attention_heads": 4,
-    "hybrid_mla_attention": "mqa_dsa", "dsa_index_n_heads": 4, "dsa_index_head_dim": 16, "dsa_index_topk": 5,
-    "init_method_std": 0.2,
+    **TINY_HYBRID_MLA, "hybrid_mla_attention": "mqa_dsa", "dsa_index_n_heads": 4, "init_method_std": 0.2,
 }
 
 
@@ -57,8 +58,8 @@ def _cos_sin(seq: int, rope_dim: int = 8) -> tuple[paddle.Tensor, paddle.Tensor,
 def test_hadamard_is_the_normalised_sylvester_matrix(width):
     x = np.random.default_rng(width).standard_normal((3, 5, width)).astype("float32")
     got = hadamard_transform(paddle.to_tensor(x)).numpy()
-    np.testing.assert_allclose(got, orc.f64(x) @ orc.hadamard_matrix(width), rtol=0, atol=2e-6)
-    np.testing.assert_allclose(np.linalg.norm(got, axis=-1), np.linalg.norm(x, axis=-1), rtol=1e-5)
+    assert_close(got, orc.f64(x) @ orc.hadamard_matrix(width), "fp32", "rotation")
+    assert_close(np.linalg.norm(got, axis=-1), np.linalg.norm(x, axis=-1), "fp32", "norm_preserved")
 
 
 def test_hadamard_rejects_a_width_that_is_not_a_power_of_two():
@@ -72,10 +73,10 @@ def test_indexer_rope_rotates_the_leading_channels(interleaved):
     cos, sin, inv = _cos_sin(seq)
     x = np.random.default_rng(1).standard_normal((2, seq, 3, 16)).astype("float32")
     got = indexer_rope(paddle.to_tensor(x), cos, sin, interleaved).numpy()
-    want = orc.rope_leading(x, np.arange(seq), inv, interleaved)
-    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
+    want = orc.rope_at(x, np.arange(seq), inv, leading=True, interleaved=interleaved)
+    assert_close(got, want, "fp32", "rotation")
     np.testing.assert_array_equal(got[..., 8:], x[..., 8:])  # nope channels pass through
-    other = orc.rope_leading(x, np.arange(seq), inv, not interleaved)
+    other = orc.rope_at(x, np.arange(seq), inv, leading=True, interleaved=not interleaved)
     assert np.abs(other - want).max() > 1e-2, "the two layouts must be distinguishable"
 
 
@@ -89,21 +90,21 @@ def test_indexer_scores_match_the_float64_oracle(interleaved):
     cos, sin, inv = _cos_sin(seq)
     q, k, w = indexer(paddle.to_tensor(x), paddle.to_tensor(cq), cos, sin)
     got = DSAIndexer.scores(q, k, w).numpy()
-    want, (want_q, want_k, want_w) = orc.indexer_scores(
+    want, (want_q, want_k, want_w) = orc.dsa_indexer_scores(
         x, cq, _params(indexer), 4, 16, inv, interleaved=interleaved, parts=True
     )
-    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
+    assert_close(got, want, "fp32", "oracle_layer", what="scores")
     # q and k after RoPE *and* the Hadamard rotation (the scores alone cannot see the rotation).
     for name, mine, ref in (("q", q, want_q), ("k", k, want_k), ("w", w, want_w)):
-        np.testing.assert_allclose(mine.numpy(), ref, rtol=0, atol=2e-5 * np.abs(ref).max(), err_msg=name)
+        assert_close(mine.numpy(), ref, "fp32", "oracle_layer", what=name)
     # The Hadamard rotation is orthogonal: without quantisation it changes no score (why HF V3.2 skips it).
-    no_h = orc.indexer_scores(x, cq, _params(indexer), 4, 16, inv, interleaved=interleaved, hadamard=False)
-    np.testing.assert_allclose(no_h, want, rtol=0, atol=1e-12 * np.abs(want).max() + 1e-12)
+    no_h = orc.dsa_indexer_scores(x, cq, _params(indexer), 4, 16, inv, interleaved=interleaved, hadamard=False)
+    assert_close(no_h, want, "float64", "orthogonal_rotation")
     idx = paddle.to_tensor(rng.integers(-1, seq, size=(2, seq, 4)).astype("int32"))
     gathered = DSAIndexer.gathered_scores(q, k, w, idx).numpy()
     picked = np.take_along_axis(got, np.clip(idx.numpy(), 0, None).astype(np.int64), axis=-1)
     valid = idx.numpy() >= 0
-    np.testing.assert_allclose(gathered[valid], picked[valid], rtol=0, atol=1e-6)
+    assert_close(gathered[valid], picked[valid], "fp32", "gathered_scores")
 
 
 def test_indexer_inputs_are_detached():
@@ -170,7 +171,7 @@ def test_kl_loss_and_gradient_match_the_oracle(with_mask):
     # Oracle: per-head probs exp(l - lse) on the valid slots, as [b, h, s, s'] with the K slots as keys.
     probs = np.where(valid[:, :, None, :], np.exp(orc.f64(logits) - orc.f64(lse)[..., None]), 0.0).transpose(0, 2, 1, 3)
     want = orc.kl_rows(probs, orc.f64(student), valid, mask)
-    assert abs(float(loss) - want) < 1e-6
+    assert_close(float(loss), want, "fp32", "kl_loss", what="KL loss")
     # dKL/dI = (softmax(I) - p) / rows on kept rows' valid slots, 0 elsewhere.
     grad = np.zeros_like(orc.f64(student))
     rows = 0
@@ -184,7 +185,7 @@ def test_kl_loss_and_gradient_match_the_oracle(with_mask):
             z = np.where(valid[bi, t], orc.f64(student[bi, t]), -np.inf)
             q = np.exp(z - z.max())
             grad[bi, t] = q / q.sum() - p
-    np.testing.assert_allclose(s_t.grad.numpy(), grad / rows, rtol=0, atol=1e-6)
+    assert_close(s_t.grad.numpy(), grad / rows, "fp32", "kl_loss", what="d KL / d scores")
 
 
 def test_loss_auto_scaler_keeps_the_value_and_adds_the_loss_gradient():
@@ -196,16 +197,12 @@ def test_loss_auto_scaler_keeps_the_value_and_adds_the_loss_gradient():
     assert np.array_equal(attached.numpy(), out.numpy())
     (attached * 3).sum().backward()
     np.testing.assert_array_equal(out.grad.numpy(), np.full([2, 3], 3.0, dtype="float32"))
-    np.testing.assert_allclose(theta.grad.numpy(), [1.0, -2.0])  # d(theta^2)/d theta at scale 1
+    assert_bitwise(theta.grad.numpy(), np.array([1.0, -2.0], "float32"))  # d(theta^2)/d theta at scale 1: exact
     # A frozen output (indexer warm-up) still carries the loss gradient, and gets none itself.
     frozen = paddle.randn([2, 3])
     theta.clear_gradient()
-    DSAIndexerLossAutoScaler.set_loss_scale(0.5)
-    try:
-        attached = DSAIndexerLossAutoScaler.apply(frozen, (theta * theta).sum())
-        assert not attached.stop_gradient and np.array_equal(attached.numpy(), frozen.numpy())
-        attached.sum().backward()
-    finally:
-        DSAIndexerLossAutoScaler.set_loss_scale(1.0)
+    attached = DSAIndexerLossAutoScaler.apply(frozen, (theta * theta).sum(), 0.5)
+    assert not attached.stop_gradient and np.array_equal(attached.numpy(), frozen.numpy())
+    attached.sum().backward()
     assert frozen.grad is None
-    np.testing.assert_allclose(theta.grad.numpy(), [0.5, -1.0])
+    assert_bitwise(theta.grad.numpy(), np.array([0.5, -1.0], "float32"))  # scaled by 0.5: exact

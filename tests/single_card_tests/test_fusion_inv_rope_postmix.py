@@ -6,7 +6,8 @@ output, d_out and the gradients of the postmix factors U, V (``M = I + V U^T``, 
 so d_M is not trivially structured) byte for byte, the saved attention output untouched by backward, the
 forward structurally free of a full-width rotated intermediate (what the RoPE kernel writes and what the
 GEMMs multiply), the bitwise fallback for shapes without an exact split, frozen factors, bad inputs.
-The GEMM property the split rests on is pinned in test_gemm_slice_property.py.
+The GEMM property the split rests on is pinned in test_gemm_slice_property.py. Every test of the fused
+function counts its kernels' launches.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import functools
 import numpy as np
 import paddle
 import pytest
+from helpers import assert_bitwise, expect_launches
 
 pytest.importorskip("triton", reason="fused kernels need Triton (installed by the `test` extra)")
 pytest.importorskip("torch", reason="the Triton interpreter needs torch (installed by the `test` extra)")
@@ -26,19 +28,9 @@ capability.prepare_triton()
 
 from fleet_ext.ops import launch as launch_module  # noqa: E402
 from fleet_ext.ops.inv_rope_postmix import function, kernel, reference  # noqa: E402
-from fleet_ext.ops.launch import LAUNCH_COUNTS  # noqa: E402
 from fleet_ext.ops.rope import function as rope_function  # noqa: E402
 from fleet_ext.ops.rope import kernel as rope_kernel  # noqa: E402
 from fleet_ext.ops.rope import reference as rope_reference  # noqa: E402
-
-
-def _assert_bitwise(got, want, what: str) -> None:
-    got_a = got.numpy() if isinstance(got, paddle.Tensor) else got
-    want_a = want.numpy() if isinstance(want, paddle.Tensor) else want
-    assert got_a.dtype == want_a.dtype and got_a.shape == want_a.shape, f"{what}: {got_a.dtype}{got_a.shape}"
-    if not np.array_equal(got_a.view(np.uint32), want_a.view(np.uint32)):
-        diff = np.abs(got_a.astype(np.float64) - want_a.astype(np.float64))
-        raise AssertionError(f"{what}: {int((got_a != want_a).sum())} of {got_a.size} differ, max {diff.max():.3e}")
 
 
 def _problem(b: int, s: int, h: int, d: int, rope_dim: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -66,7 +58,7 @@ def _run(fn, p: dict[str, np.ndarray], frozen_mix: bool = False, frozen_out: boo
     for name, t in (("d_out", out), ("d_U", u), ("d_V", v)):
         if t.grad is not None:
             result[name] = t.grad.numpy()
-    _assert_bitwise(out, p["out"], "attention output after backward")  # saved O never written
+    assert_bitwise(out, p["out"], "attention output after backward")  # saved O never written
     return result
 
 
@@ -87,11 +79,10 @@ def test_forward_and_gradients_are_bitwise_equal_to_the_reference(b, s, h, d, ro
     assert sorted(want) == ["d_U", "d_V", "d_out", "y"]
     for key in ("d_U", "d_V"):
         assert np.abs(want[key]).max() > 0, f"{key} is zero: the comparison would be vacuous"
-    before = LAUNCH_COUNTS["_write_trailing_kernel"]
-    got = _run(function.inv_rope_vha_postmix, p)
-    assert LAUNCH_COUNTS["_write_trailing_kernel"] == before + 1, "the split forward never ran"
+    with expect_launches("_write_trailing_kernel", exactly=1):  # the split forward
+        got = _run(function.inv_rope_vha_postmix, p)
     for key in want:
-        _assert_bitwise(got[key], want[key], key)
+        assert_bitwise(got[key], want[key], key)
 
 
 def test_as_wired_by_the_backend_provider():
@@ -99,19 +90,21 @@ def test_as_wired_by_the_backend_provider():
     p = _problem(2, 5, 4, 16, 8)
     want = _run(reference.inv_rope_vha_postmix, p)
     for rope in (rope_function.apply_partial_rope, rope_reference.apply_partial_rope):
-        got = _run(functools.partial(function.inv_rope_vha_postmix, rope=rope), p)
+        with expect_launches("_write_trailing_kernel", exactly=1):
+            got = _run(functools.partial(function.inv_rope_vha_postmix, rope=rope), p)
         for key in want:
-            _assert_bitwise(got[key], want[key], key)
+            assert_bitwise(got[key], want[key], key)
 
 
 @pytest.mark.parametrize("frozen", ["mix", "out"])
 def test_frozen_inputs(frozen):
     p = _problem(1, 4, 8, 24, 8)
     want = _run(reference.inv_rope_vha_postmix, p, frozen_mix=frozen == "mix", frozen_out=frozen == "out")
-    got = _run(function.inv_rope_vha_postmix, p, frozen_mix=frozen == "mix", frozen_out=frozen == "out")
+    with expect_launches("_write_trailing_kernel", exactly=1):
+        got = _run(function.inv_rope_vha_postmix, p, frozen_mix=frozen == "mix", frozen_out=frozen == "out")
     assert sorted(got) == sorted(want) == (["d_out", "y"] if frozen == "mix" else ["d_U", "d_V", "y"])
     for key in want:
-        _assert_bitwise(got[key], want[key], key)
+        assert_bitwise(got[key], want[key], key)
 
 
 @pytest.mark.parametrize("b,s,h,d,rope_dim", [(2, 3, 5, 26, 8), (1, 4, 3, 12, 8), (2, 3, 4, 8, 8)])
@@ -120,11 +113,10 @@ def test_shapes_without_an_exact_split_fall_back_bitwise(b, s, h, d, rope_dim):
     assert kernel.split_start(d, rope_dim) is None
     p = _problem(b, s, h, d, rope_dim)
     want = _run(reference.inv_rope_vha_postmix, p)
-    before = LAUNCH_COUNTS["_rope_kernel"], LAUNCH_COUNTS["_write_trailing_kernel"]
-    got = _run(function.inv_rope_vha_postmix, p)
-    assert LAUNCH_COUNTS["_rope_kernel"] == before[0] + 3 and LAUNCH_COUNTS["_write_trailing_kernel"] == before[1]
+    with expect_launches("_rope_kernel", exactly=3), expect_launches("_write_trailing_kernel", exactly=0):
+        got = _run(function.inv_rope_vha_postmix, p)
     for key in want:
-        _assert_bitwise(got[key], want[key], key)
+        assert_bitwise(got[key], want[key], key)
 
 
 class _Recorder:
@@ -193,7 +185,7 @@ def test_write_trailing_kernel_and_its_errors():
     assert kernel.write_trailing_(dst, paddle.to_tensor(src_np)) is dst
     want = dst_np.copy()
     want[..., 16:] = src_np
-    _assert_bitwise(dst, want, "write_trailing_")
+    assert_bitwise(dst, want, "write_trailing_")
     with pytest.raises(ValueError, match="`dst` \\[b, s, h, d\\] and `src`"):
         kernel.write_trailing_(dst, paddle.to_tensor(src_np[:1]))
     with pytest.raises(ValueError, match="`dst` is"):

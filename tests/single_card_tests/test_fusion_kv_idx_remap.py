@@ -3,7 +3,8 @@
 Exact everywhere (integer arithmetic): every comparison is ``array_equal`` plus dtype and shape. The one
 deliberate contract difference — an int32 table whose flat ids could leave int32 raises instead of
 wrapping — is tested on both sides: the fused op raises, and the reference really does wrap there (so
-the guard is not vacuous), while the largest table that fits is still exact.
+the guard is not vacuous), while the largest table that fits is still exact. Every call of the fused op
+counts the kernel's launches.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import functools
 import numpy as np
 import paddle
 import pytest
+from helpers import assert_bitwise, expect_launches
 
 from fleet_ext import capability
 
@@ -54,16 +56,6 @@ def make_idx(rng, shape, seqlen_kv, dtype, neg_frac=0.3):
     return idx.astype(dtype)
 
 
-def assert_same(a: paddle.Tensor, b: np.ndarray | paddle.Tensor) -> None:
-    an = a.numpy()
-    bn = b.numpy() if isinstance(b, paddle.Tensor) else b
-    assert an.dtype == bn.dtype and an.shape == bn.shape, (an.dtype, an.shape, bn.dtype, bn.shape)
-    if not np.array_equal(an, bn):
-        bad = np.argwhere(an != bn)
-        raise AssertionError(f"{len(bad)} mismatches, first at {tuple(bad[0])}: {an[tuple(bad[0])]} vs "
-                             f"{bn[tuple(bad[0])]}")
-
-
 def run_counted(fn, *args):
     before = LAUNCH_COUNTS[KERNEL]
     out = fn(*args)
@@ -75,7 +67,7 @@ def test_first_single_entry_launch():
     t = paddle.to_tensor(np.array([[[3]], [[4]]], dtype="int32"))
     out, launches = run_counted(fused.local_to_global_flat, t, 10)
     assert launches == 1
-    assert_same(out, np.array([[3], [14]], dtype="int32"))
+    assert_bitwise(out, np.array([[3], [14]], dtype="int32"))
 
 
 # (B, S, K, seqlen_kv): odd widths, a width over one 128-column block, row counts over one row block
@@ -92,8 +84,8 @@ def test_matches_reference_and_oracle(dtype, shape):
     t = paddle.to_tensor(idx)
     out, launches = run_counted(fused.local_to_global_flat, t, seqlen_kv)
     assert launches == 1
-    assert_same(out, ref.local_to_global_flat(t, seqlen_kv))
-    assert_same(out, as_dtype(oracle(idx, seqlen_kv), dtype))
+    assert_bitwise(out, ref.local_to_global_flat(t, seqlen_kv))
+    assert_bitwise(out, as_dtype(oracle(idx, seqlen_kv), dtype))
     flat = idx.reshape(-1, width)
     if flat.size >= 8:
         assert (flat < 0).any() and (flat >= 0).any()  # both branches exercised
@@ -114,8 +106,8 @@ def test_non_contiguous_inputs(dtype):
         assert not view.is_contiguous(), name
         out, launches = run_counted(fused.local_to_global_flat, view, 50)
         assert launches == 1, name
-        assert_same(out, ref.local_to_global_flat(view, 50))
-        assert_same(out, as_dtype(oracle(view.numpy(), 50), dtype))
+        assert_bitwise(out, ref.local_to_global_flat(view, 50))
+        assert_bitwise(out, as_dtype(oracle(view.numpy(), 50), dtype))
 
 
 def test_int32_overflow_raises_where_the_reference_wraps():
@@ -129,27 +121,30 @@ def test_int32_overflow_raises_where_the_reference_wraps():
     assert int(exact.max()) > np.iinfo("int32").max
     assert not np.array_equal(wrapped.astype(np.int64), exact.astype(np.int64)), "the reference no longer wraps"
     # the same table in int64 is exact
-    out = fused.local_to_global_flat(paddle.to_tensor(idx.astype("int64")), seqlen_kv)
-    assert_same(out, as_dtype(exact, "int64"))
+    with expect_launches(KERNEL, exactly=1):
+        out = fused.local_to_global_flat(paddle.to_tensor(idx.astype("int64")), seqlen_kv)
+    assert_bitwise(out, as_dtype(exact, "int64"))
 
 
 def test_int32_largest_table_that_fits_is_exact():
     seqlen_kv = 2**30  # B = 2: B * seqlen_kv == 2**31, the largest flat id is exactly int32 max
     idx = np.array([[[0, seqlen_kv - 1, -1, 5]], [[seqlen_kv - 1, 0, np.iinfo("int32").min, -1]]], dtype="int32")
     t = paddle.to_tensor(idx)
-    out = fused.local_to_global_flat(t, seqlen_kv)
+    with expect_launches(KERNEL, exactly=1):
+        out = fused.local_to_global_flat(t, seqlen_kv)
     assert int(out.numpy().max()) == np.iinfo("int32").max
-    assert_same(out, as_dtype(oracle(idx, seqlen_kv), "int32"))
-    assert_same(out, ref.local_to_global_flat(t, seqlen_kv))
+    assert_bitwise(out, as_dtype(oracle(idx, seqlen_kv), "int32"))
+    assert_bitwise(out, ref.local_to_global_flat(t, seqlen_kv))
 
 
 def test_int64_large_offsets_are_exact():
     seqlen_kv = 3 * 2**40 + 7
     idx = np.array([[[0, 5, -1]], [[seqlen_kv - 1, -3, 2**33]]], dtype="int64")
     t = paddle.to_tensor(idx)
-    out = fused.local_to_global_flat(t, seqlen_kv)
-    assert_same(out, as_dtype(oracle(idx, seqlen_kv), "int64"))
-    assert_same(out, ref.local_to_global_flat(t, seqlen_kv))
+    with expect_launches(KERNEL, exactly=1):
+        out = fused.local_to_global_flat(t, seqlen_kv)
+    assert_bitwise(out, as_dtype(oracle(idx, seqlen_kv), "int64"))
+    assert_bitwise(out, ref.local_to_global_flat(t, seqlen_kv))
 
 
 def test_empty_tables():
@@ -163,14 +158,15 @@ def test_empty_tables():
 def test_deterministic_and_fresh_output():
     rng = np.random.default_rng(3)
     t = paddle.to_tensor(make_idx(rng, (2, 9, 40), 77, "int32"))
-    a = fused.local_to_global_flat(t, 77)
-    b = fused.local_to_global_flat(t, 77)
-    assert a.numpy().tobytes() == b.numpy().tobytes()
-    assert a.data_ptr() != t.data_ptr()  # a new table, even for B = 1 style copies
     one = paddle.to_tensor(make_idx(rng, (1, 9, 40), 77, "int32"))
-    c = fused.local_to_global_flat(one, 77)
+    with expect_launches(KERNEL, exactly=3):
+        a = fused.local_to_global_flat(t, 77)
+        b = fused.local_to_global_flat(t, 77)
+        c = fused.local_to_global_flat(one, 77)
+    assert_bitwise(a, b, "two runs")
+    assert a.data_ptr() != t.data_ptr()  # a new table, even for B = 1 style copies
     assert c.data_ptr() != one.data_ptr()
-    assert_same(c, one.numpy().reshape(9, 40))
+    assert_bitwise(c, one.numpy().reshape(9, 40))
 
 
 @pytest.mark.parametrize(
@@ -203,15 +199,16 @@ def test_registry_names_this_function_and_it_drives_the_sparse_attention_bitwise
     idx[0, 0] = -1
     sink = rng.standard_normal(3).astype("float32")
     results = []
-    for remap in (ref.local_to_global_flat, functools.partial(fused.local_to_global_flat)):
+    for remap, launches in ((ref.local_to_global_flat, 0), (functools.partial(fused.local_to_global_flat), 1)):
         qt = paddle.to_tensor(q, stop_gradient=False)
         kvt = paddle.to_tensor(kv, stop_gradient=False)
         st = paddle.to_tensor(sink, stop_gradient=False)
-        out, lse = sparse_attention_with_sink(qt, kvt, paddle.to_tensor(idx), st, 0.35, remap=remap)
+        with expect_launches(KERNEL, exactly=launches):
+            out, lse = sparse_attention_with_sink(qt, kvt, paddle.to_tensor(idx), st, 0.35, remap=remap)
         (out.square().sum() + lse.sum()).backward()
         results.append([out.numpy(), lse.numpy(), qt.grad.numpy(), kvt.grad.numpy(), st.grad.numpy()])
-    for a, b in zip(*results):
-        assert a.tobytes() == b.tobytes()
+    for a, b, what in zip(*results, ("out", "lse", "dq", "dkv", "d_sink")):
+        assert_bitwise(a, b, what)
 
 
 @pytest.mark.parametrize("dtype", ["int32", "int64"])
@@ -227,8 +224,8 @@ def test_flat_path_batch_boundaries_inside_a_program(monkeypatch, dtype, block_b
         t = paddle.to_tensor(idx)
         out, launches = run_counted(fused.local_to_global_flat, t, seqlen_kv)
         assert launches == 1
-        assert_same(out, ref.local_to_global_flat(t, seqlen_kv))
-        assert_same(out, as_dtype(oracle(idx, seqlen_kv), dtype))
+        assert_bitwise(out, ref.local_to_global_flat(t, seqlen_kv))
+        assert_bitwise(out, as_dtype(oracle(idx, seqlen_kv), dtype))
 
 
 def test_tile_keeps_32k_per_program():

@@ -9,7 +9,8 @@ rows, large and tiny magnitudes, and through an upstream matmul so the parameter
 The GPU configuration (torch CUDA's reduction order, one fused kernel) is exercised here too, in the
 interpreter on torch CPU tensors, against a literal NumPy simulation of ``Reduce.cuh``'s threads (written
 from the CUDA source, not from the kernel's reshape/split formulation): bitwise, with the interpreter's
-``rsqrt`` (``1/sqrt`` in fp32) standing in for the GPU's. The real GPU comparison is tests/gpu.
+``rsqrt`` (``1/sqrt`` in fp32) standing in for the GPU's. The real GPU comparison is tests/gpu. Every test of
+the fused function counts the forward and backward kernels' launches.
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ import numpy as np
 import paddle
 import pytest
 import torch
+from helpers import assert_bitwise, expect_launches
 
 from fleet_ext import capability
 
 capability.prepare_triton()
 
-from fleet_ext.ops.launch import LAUNCH_COUNTS  # noqa: E402
 from fleet_ext.ops.q_rms_norm import function as fused  # noqa: E402
 from fleet_ext.ops.q_rms_norm import kernel  # noqa: E402
 from fleet_ext.ops.q_rms_norm import reference as ref  # noqa: E402
@@ -32,15 +33,6 @@ from fleet_ext.registry import FUSIONS  # noqa: E402
 F32 = np.float32
 EPS = 1e-6
 FWD, BWD = "_q_rms_norm_fwd_kernel", "_q_rms_norm_bwd_kernel"
-
-
-def assert_bytes_equal(a: np.ndarray, b: np.ndarray, what: str) -> None:
-    assert a.dtype == b.dtype and a.shape == b.shape, (what, a.dtype, a.shape, b.dtype, b.shape)
-    if a.tobytes() != b.tobytes():
-        bad = np.argwhere(a.view(np.uint32) != b.view(np.uint32))
-        first = tuple(bad[0])
-        raise AssertionError(f"{what}: {len(bad)} of {a.size} differ, first at {first}: {a[first]!r} vs {b[first]!r}, "
-                             f"max |diff| {np.abs(a.astype(np.float64) - b.astype(np.float64)).max():.3g}")
 
 
 def run(fn, x: np.ndarray, g: np.ndarray, view=None):
@@ -52,10 +44,6 @@ def run(fn, x: np.ndarray, g: np.ndarray, view=None):
     return y.numpy(), leaf.grad.numpy()
 
 
-def counts():
-    return LAUNCH_COUNTS[FWD], LAUNCH_COUNTS[BWD]
-
-
 WIDTHS = [1, 2, 3, 7, 16, 17, 31, 32, 33, 48, 64, 100, 127, 128, 129, 192, 512]
 
 
@@ -64,13 +52,11 @@ def test_bitwise_forward_and_backward_over_widths(d):
     rng = np.random.default_rng(d)
     x = (rng.standard_normal((2, 3, 2, d)) * rng.uniform(0.1, 10, (2, 3, 2, 1))).astype(F32)
     g = rng.standard_normal((2, 3, 2, d)).astype(F32)
-    before = counts()
-    y, dx = run(fused.q_rms_norm, x, g)
-    after = counts()
-    assert after[0] - before[0] == 2 and after[1] - before[1] == 1  # stats + apply, one backward launch
+    with expect_launches(FWD, exactly=2), expect_launches(BWD, exactly=1):  # stats + apply, one backward launch
+        y, dx = run(fused.q_rms_norm, x, g)
     y_ref, dx_ref = run(ref.q_rms_norm, x, g)
-    assert_bytes_equal(y, y_ref, f"y d={d}")
-    assert_bytes_equal(dx, dx_ref, f"dx d={d}")
+    assert_bitwise(y, y_ref, f"y d={d}")
+    assert_bitwise(dx, dx_ref, f"dx d={d}")
     assert np.abs(dx).max() > 0 and np.abs(y).max() > 0
 
 
@@ -83,10 +69,11 @@ def test_many_rows_several_programs_and_edge_magnitudes():
     x[0, 1, 1, ::2] = 0.0
     g = rng.standard_normal(x.shape).astype(F32)
     g[1, 1, 1] = 0.0
-    y, dx = run(fused.q_rms_norm, x, g)
+    with expect_launches(FWD, BWD):
+        y, dx = run(fused.q_rms_norm, x, g)
     y_ref, dx_ref = run(ref.q_rms_norm, x, g)
-    assert_bytes_equal(y, y_ref, "y")
-    assert_bytes_equal(dx, dx_ref, "dx")
+    assert_bitwise(y, y_ref, "y")
+    assert_bitwise(dx, dx_ref, "dx")
 
 
 @pytest.mark.parametrize(
@@ -103,10 +90,11 @@ def test_non_contiguous_q(name, view):
     probe = view(paddle.to_tensor(x))
     assert not probe.is_contiguous(), name
     g = rng.standard_normal(probe.shape).astype(F32)
-    y, dx = run(fused.q_rms_norm, x, g, view)
+    with expect_launches(FWD, BWD):
+        y, dx = run(fused.q_rms_norm, x, g, view)
     y_ref, dx_ref = run(ref.q_rms_norm, x, g, view)
-    assert_bytes_equal(y, y_ref, f"y {name}")
-    assert_bytes_equal(dx, dx_ref, f"dx {name}")
+    assert_bitwise(y, y_ref, f"y {name}")
+    assert_bitwise(dx, dx_ref, f"dx {name}")
 
 
 def test_parameter_gradient_through_an_upstream_matmul_is_bitwise():
@@ -114,25 +102,27 @@ def test_parameter_gradient_through_an_upstream_matmul_is_bitwise():
     x = rng.standard_normal((2, 6, 24)).astype(F32)
     w = (rng.standard_normal((24, 4 * 32)) * 0.2).astype(F32)
     grads = []
-    for fn in (ref.q_rms_norm, fused.q_rms_norm):
-        wt = paddle.to_tensor(w, stop_gradient=False)
-        xt = paddle.to_tensor(x, stop_gradient=False)
-        q = paddle.matmul(xt, wt).reshape([2, 6, 4, 32])
-        y = fn(q, EPS)
-        (y * y * 0.5 + y).sum().backward()
+    for fn, launches in ((ref.q_rms_norm, 0), (fused.q_rms_norm, None)):  # the reference launches nothing
+        with expect_launches(FWD, BWD, exactly=launches):
+            wt = paddle.to_tensor(w, stop_gradient=False)
+            xt = paddle.to_tensor(x, stop_gradient=False)
+            q = paddle.matmul(xt, wt).reshape([2, 6, 4, 32])
+            y = fn(q, EPS)
+            (y * y * 0.5 + y).sum().backward()
         grads.append((y.numpy(), wt.grad.numpy(), xt.grad.numpy()))
     for a, b, what in zip(*grads, ("y", "dW", "dx")):
-        assert_bytes_equal(a, b, what)
+        assert_bitwise(a, b, what)
 
 
 def test_deterministic_two_runs():
     rng = np.random.default_rng(4)
     x = rng.standard_normal((1, 9, 3, 70)).astype(F32)
     g = rng.standard_normal(x.shape).astype(F32)
-    a = run(fused.q_rms_norm, x, g)
-    b = run(fused.q_rms_norm, x, g)
-    assert_bytes_equal(a[0], b[0], "y run 2")
-    assert_bytes_equal(a[1], b[1], "dx run 2")
+    with expect_launches(FWD, exactly=4), expect_launches(BWD, exactly=2):
+        a = run(fused.q_rms_norm, x, g)
+        b = run(fused.q_rms_norm, x, g)
+    assert_bitwise(a[0], b[0], "y run 2")
+    assert_bitwise(a[1], b[1], "dx run 2")
 
 
 @pytest.mark.parametrize(
@@ -254,9 +244,8 @@ def test_gpu_configuration_matches_a_simulation_of_torch_cuda(lead, d, variant):
     order = kernel.torch_cuda_order(rows, d, vec_min_d=vec_min_d, halving=halving)
     assert order.exact
     xt = torch.from_numpy(x)
-    before = LAUNCH_COUNTS[FWD]
-    y, r = kernel.q_rms_norm_fused(xt, EPS, order)
-    assert LAUNCH_COUNTS[FWD] == before + 1
+    with expect_launches(FWD, exactly=1):
+        y, r = kernel.q_rms_norm_fused(xt, EPS, order)
     dx = kernel.q_rms_norm_bwd(torch.from_numpy(g), xt, r, order)
     x2, g2 = x.reshape(rows, d), g.reshape(rows, d)
     eps = F32(EPS)
@@ -268,9 +257,9 @@ def test_gpu_configuration_matches_a_simulation_of_torch_cuda(lead, d, variant):
     d_ms = (g_r * F32(-0.5)) * ((r_ref * r_ref) * r_ref)  # -0.5 * grad * result.pow(3)
     d_sq = d_ms * F32(order.inv_d)  # mean_backward: / d as a multiply by fp32(1/d)
     dx_ref = g2 * r_ref[:, None] + d_sq[:, None] * (x2 * F32(2))  # + pow_backward
-    assert_bytes_equal(r.numpy().reshape(rows), r_ref, f"r {order.name}")
-    assert_bytes_equal(y.numpy().reshape(rows, d), y_ref, f"y {order.name}")
-    assert_bytes_equal(dx.numpy().reshape(rows, d), dx_ref, f"dx {order.name}")
+    assert_bitwise(r.numpy().reshape(rows), r_ref, f"r {order.name}")
+    assert_bitwise(y.numpy().reshape(rows, d), y_ref, f"y {order.name}")
+    assert_bitwise(dx.numpy().reshape(rows, d), dx_ref, f"dx {order.name}")
     # and the simulation is not the sequential order (the two configurations really differ)
     if order.lanes >= 4 and d >= 64:
         seq = np.zeros(rows, F32)
@@ -309,7 +298,7 @@ def test_gpu_block_sizes_in_the_interpreter(monkeypatch, lead, d):
     y2, r2 = kernel.q_rms_norm_fused(xt, EPS, order)
     dx2 = kernel.q_rms_norm_bwd(torch.from_numpy(g), xt, r2, order)
     for a, b, what in ((y, y2, "y"), (r, r2, "r"), (dx, dx2, "dx")):
-        assert_bytes_equal(a.numpy(), b.numpy(), what)
+        assert_bitwise(a.numpy(), b.numpy(), what)
 
 
 def test_one_pass_and_streamed_kernels_agree():
@@ -330,4 +319,4 @@ def test_one_pass_and_streamed_kernels_agree():
     finally:
         kernel.MAX_TILES = streamed
     for a, b, what in ((y, y2, "y"), (r, r2, "r"), (dx, dx2, "dx")):
-        assert_bytes_equal(a.numpy(), b.numpy(), what)
+        assert_bitwise(a.numpy(), b.numpy(), what)

@@ -3,20 +3,18 @@
 Forward against ``reference.apply_partial_rope``, backward against Paddle autograd's backward of that
 reference (signed zeros included: autograd accumulates sliced gradients into zeros, so ``-0.0`` comes back
 as ``+0.0``), inverse, in place vs out of place, odd shapes, non-contiguous inputs, per-batch tables, bad
-inputs. The rotation's closeness to the exact maths is covered by test_rope.py's float64 oracle.
+inputs. The rotation's closeness to the exact maths is covered by test_rope.py's float64 oracle. Every test
+of the fused function counts the RoPE kernel's launches.
 """
 
 from __future__ import annotations
 
 import inspect
-import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import paddle
 import pytest
+from helpers import assert_bitwise, expect_launches
 
 pytest.importorskip("triton", reason="fused kernels need Triton (installed by the `test` extra)")
 pytest.importorskip("torch", reason="the Triton interpreter needs torch (installed by the `test` extra)")
@@ -25,25 +23,9 @@ from fleet_ext import capability  # noqa: E402
 
 capability.prepare_triton()
 
-from fleet_ext.ops.launch import LAUNCH_COUNTS  # noqa: E402
 from fleet_ext.ops.rope import function, kernel, reference  # noqa: E402
 
 KERNEL = "_rope_kernel"
-
-
-def _bits(t) -> np.ndarray:
-    a = t.numpy() if isinstance(t, paddle.Tensor) else t
-    return a.view(np.uint32 if a.dtype == np.float32 else np.uint64)
-
-
-def _assert_bitwise(got, want, what: str) -> None:
-    got_a = got.numpy() if isinstance(got, paddle.Tensor) else got
-    want_a = want.numpy() if isinstance(want, paddle.Tensor) else want
-    assert got_a.dtype == want_a.dtype and got_a.shape == want_a.shape, f"{what}: {got_a.dtype}{got_a.shape}"
-    if not np.array_equal(_bits(got_a), _bits(want_a)):
-        bad = _bits(got_a) != _bits(want_a)
-        diff = np.abs(got_a.astype(np.float64) - want_a.astype(np.float64))
-        raise AssertionError(f"{what}: {int(bad.sum())} of {bad.size} differ, max |diff| {diff.max():.3e}")
 
 
 def _tables(batch: int, seq: int, half: int, per_batch: bool, seed: int = 0):
@@ -87,11 +69,10 @@ def test_forward_and_backward_are_bitwise_equal_to_the_reference(shape, rope_dim
     grad = _data(shape, seed=2)
     grad[..., ::5] = -0.0  # autograd turns these into +0.0; the kernel must too
     want_y, want_g = _fwd_bwd(reference.apply_partial_rope, x, cos, sin, inverse, grad)
-    before = LAUNCH_COUNTS[KERNEL]
-    got_y, got_g = _fwd_bwd(function.apply_partial_rope, x, cos, sin, inverse, grad)
-    assert LAUNCH_COUNTS[KERNEL] == before + 2, "forward and backward must each launch the RoPE kernel once"
-    _assert_bitwise(got_y, want_y, "forward")
-    _assert_bitwise(got_g, want_g, "backward")
+    with expect_launches(KERNEL, exactly=2):  # forward and backward each launch the RoPE kernel once
+        got_y, got_g = _fwd_bwd(function.apply_partial_rope, x, cos, sin, inverse, grad)
+    assert_bitwise(got_y, want_y, "forward")
+    assert_bitwise(got_g, want_g, "backward")
     nope = shape[-1] - rope_dim
     assert np.abs(want_y.numpy()[..., nope:] - x[..., nope:]).max() > 1e-3, "the rotation must move the channels"
     if nope:  # autograd accumulated the sliced gradient into zeros: the -0.0 entries came back as +0.0
@@ -103,16 +84,19 @@ def test_shared_table_with_a_leading_batch_of_one_broadcasts():
     cos, sin = _tables(1, 6, 4, per_batch=False)
     cos3, sin3 = cos.unsqueeze(0), sin.unsqueeze(0)  # [1, s, rd/2] against b = 3
     x = paddle.to_tensor(_data((3, 6, 2, 16)))
-    _assert_bitwise(function.apply_partial_rope(x, cos3, sin3), reference.apply_partial_rope(x, cos3, sin3), "fwd")
+    with expect_launches(KERNEL, exactly=1):
+        got = function.apply_partial_rope(x, cos3, sin3)
+    assert_bitwise(got, reference.apply_partial_rope(x, cos3, sin3), "fwd")
 
 
 def test_forward_does_not_touch_its_input_and_returns_a_new_contiguous_tensor():
     cos, sin = _tables(2, 5, 4, per_batch=False)
     x_np = _data((2, 5, 3, 24))
     x = paddle.to_tensor(x_np)
-    y = function.apply_partial_rope(x, cos, sin, inverse=True)
+    with expect_launches(KERNEL, exactly=1):
+        y = function.apply_partial_rope(x, cos, sin, inverse=True)
     assert y.data_ptr() != x.data_ptr() and y.is_contiguous() and y.shape == x.shape and y.dtype == x.dtype
-    _assert_bitwise(x, x_np, "input after the out-of-place forward")
+    assert_bitwise(x, x_np, "input after the out-of-place forward")
 
 
 def test_float64_input_is_rotated_in_fp32_like_the_reference():
@@ -121,9 +105,10 @@ def test_float64_input_is_rotated_in_fp32_like_the_reference():
     grad = _data((2, 5, 3, 24), seed=2, dtype="float64")
     grad[..., ::5] = -0.0
     want_y, want_g = _fwd_bwd(reference.apply_partial_rope, x, cos, sin, True, grad)
-    got_y, got_g = _fwd_bwd(function.apply_partial_rope, x, cos, sin, True, grad)
-    _assert_bitwise(got_y, want_y, "fp64 forward")
-    _assert_bitwise(got_g, want_g, "fp64 backward")
+    with expect_launches(KERNEL, exactly=2):
+        got_y, got_g = _fwd_bwd(function.apply_partial_rope, x, cos, sin, True, grad)
+    assert_bitwise(got_y, want_y, "fp64 forward")
+    assert_bitwise(got_g, want_g, "fp64 backward")
 
 
 @pytest.mark.parametrize("inverse", [False, True], ids=["forward", "inverse"])
@@ -134,13 +119,12 @@ def test_in_place_equals_out_of_place_and_keeps_the_storage(shape, rope_dim, inv
     want = reference.apply_partial_rope(paddle.to_tensor(x_np), cos, sin, inverse=inverse)
     x = paddle.to_tensor(x_np)
     ptr = x.data_ptr()
-    before = LAUNCH_COUNTS[KERNEL]
-    result = function.apply_partial_rope_(x, cos, sin, inverse=inverse)
-    assert LAUNCH_COUNTS[KERNEL] == before + 1
+    with expect_launches(KERNEL, exactly=1):
+        result = function.apply_partial_rope_(x, cos, sin, inverse=inverse)
     assert result is x and x.data_ptr() == ptr
-    _assert_bitwise(x, want, "in place")
+    assert_bitwise(x, want, "in place")
     nope = shape[-1] - rope_dim
-    _assert_bitwise(x.numpy()[..., :nope], x_np[..., :nope], "nope channels in place")
+    assert_bitwise(x.numpy()[..., :nope], x_np[..., :nope], "nope channels in place")
 
 
 def test_in_place_on_a_strided_view_rotates_only_that_views_rope_channels():
@@ -150,11 +134,12 @@ def test_in_place_on_a_strided_view_rotates_only_that_views_rope_channels():
     view = base[..., 8:32]  # [2, 5, 3, 24], channel stride 1, head stride 40: not contiguous
     assert not view.is_contiguous()
     want = reference.apply_partial_rope(paddle.to_tensor(base_np[..., 8:32]), cos, sin)
-    function.apply_partial_rope_(view, cos, sin)
+    with expect_launches(KERNEL, exactly=1):
+        function.apply_partial_rope_(view, cos, sin)
     got = base.numpy()
-    _assert_bitwise(got[..., 8:32], want.numpy(), "view channels")
-    _assert_bitwise(got[..., :8], base_np[..., :8], "left of the view")
-    _assert_bitwise(got[..., 32:], base_np[..., 32:], "right of the view")
+    assert_bitwise(got[..., 8:32], want.numpy(), "view channels")
+    assert_bitwise(got[..., :8], base_np[..., :8], "left of the view")
+    assert_bitwise(got[..., 32:], base_np[..., 32:], "right of the view")
 
 
 @pytest.mark.parametrize("layout", ["transposed", "sliced", "strided_tables"])
@@ -178,12 +163,13 @@ def test_non_contiguous_inputs(layout):
     want_y, want_g = _fwd_bwd(reference.apply_partial_rope, x_np, cos, sin, True, grad)
     xt = x.detach()
     xt.stop_gradient = False
-    got_y = function.apply_partial_rope(xt, cos, sin, inverse=True)
     grad_view = paddle.to_tensor(np.ascontiguousarray(grad.transpose(0, 2, 1, 3))).transpose([0, 2, 1, 3])
     assert not grad_view.is_contiguous()  # the upstream gradient is strided too
-    (got_g,) = paddle.grad(got_y, [xt], grad_view)
-    _assert_bitwise(got_y, want_y, f"{layout} forward")
-    _assert_bitwise(got_g, want_g, f"{layout} backward")
+    with expect_launches(KERNEL, exactly=2):
+        got_y = function.apply_partial_rope(xt, cos, sin, inverse=True)
+        (got_g,) = paddle.grad(got_y, [xt], grad_view)
+    assert_bitwise(got_y, want_y, f"{layout} forward")
+    assert_bitwise(got_g, want_g, f"{layout} backward")
 
 
 def test_kernel_gradient_and_tail_launchers():
@@ -192,12 +178,12 @@ def test_kernel_gradient_and_tail_launchers():
     x_np, g_np = _data((2, 5, 3, 24)), _data((2, 5, 3, 24), seed=4)
     for inverse in (False, True):
         _, want_g = _fwd_bwd(reference.apply_partial_rope, x_np, cos, sin, inverse, g_np)
-        _assert_bitwise(kernel.rope_grad(paddle.to_tensor(g_np), cos, sin, inverse=inverse), want_g, "rope_grad")
+        assert_bitwise(kernel.rope_grad(paddle.to_tensor(g_np), cos, sin, inverse=inverse), want_g, "rope_grad")
         full = reference.apply_partial_rope(paddle.to_tensor(x_np), cos, sin, inverse=inverse).numpy()
         for start in (0, 5, 8, 16):
             tail = kernel.rope_tail(paddle.to_tensor(x_np), cos, sin, start, inverse=inverse)
             assert tail.shape == [2, 5, 3, 24 - start] and tail.is_contiguous()
-            _assert_bitwise(tail, full[..., start:], f"rope_tail({start})")
+            assert_bitwise(tail, full[..., start:], f"rope_tail({start})")
     with pytest.raises(ValueError, match="`start` must be in"):
         kernel.rope_tail(paddle.to_tensor(x_np), cos, sin, 17)
 
@@ -206,48 +192,6 @@ def test_interpreted_kernel_uses_plain_arithmetic_and_a_gpu_build_uses_ptx():
     assert capability.detect().interpreter and kernel.USE_PTX is False
     for fn, op in ((kernel._mul_rn, "mul"), (kernel._add_rn, "add"), (kernel._sub_rn, "sub")):
         assert f"{op}.rn.f32" in inspect.getsource(fn.fn)
-
-
-_PTX_PROBE = r"""
-import inspect, json, re
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from fleet_ext.ops.rope import kernel as K
-
-fn = K._rope_kernel
-names = list(inspect.signature(fn.fn).parameters)
-report = {}
-for dtype, zero_fix in (("bf16", True), ("fp32", False)):
-    consts = dict(COPY_START=0, NOPE=448, SHIFT=0, HALF=32, INVERSE=True, ZERO_FIX=zero_fix,
-                  DOWNCAST=dtype == "bf16", USE_PTX=K.USE_PTX, x_sd=1, o_sd=1, c_sk=1, n_sk=1,
-                  **K._plan(16384 * 64, 512, 32, 0, True))
-    ptrs = {"x_ptr": "*" + dtype, "out_ptr": "*" + dtype, "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
-    sig = {n: ptrs.get(n, "constexpr" if n in consts else "i32") for n in names}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},
-                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in names  # as Triton specialises
-                           if n in ptrs or n[1:] in ("_sb", "_ss", "_sh")})  # production pointers and strides
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
-    report[dtype] = {"fma": len(re.findall(r"\bfma\.", ptx)), "mul_rn": ptx.count("mul.rn.f32"),
-                     "cvt_bf16": len(re.findall(r"cvt\.rn\.bf16", ptx)), "use_ptx": K.USE_PTX,
-                     "vector_loads": len(re.findall(r"ld\.global\.v4", ptx))}
-print(json.dumps(report))
-"""
-
-
-def test_compiled_sm90_kernel_has_no_fma_and_rounds_every_product():
-    """Compile the production configuration for sm90 (no GPU needed) and read the PTX: no FMA contraction."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                         env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, "-c", _PTX_PROBE], env=env, capture_output=True, text=True, timeout=300)
-    if run.returncode != 0:
-        pytest.skip(f"Triton cannot compile for sm90 here: {run.stderr.strip().splitlines()[-1:]}")
-    report = json.loads(run.stdout.strip().splitlines()[-1])
-    for dtype, counts in report.items():
-        assert counts["use_ptx"] and counts["fma"] == 0 and counts["mul_rn"] > 0, (dtype, counts)
-        assert counts["vector_loads"] > 0, (dtype, counts)  # 16-byte accesses
-    assert report["bf16"]["cvt_bf16"] > 0
 
 
 def _bad_inputs():

@@ -2,26 +2,27 @@
 
 Bitwise claims: ``sparse_attention_fused_sink_grad`` returns out/lse and gives dq/dkv byte-identical to the
 reference (the sink's branch never feeds q or kv). ``d_sink`` is not bitwise (a fixed blocked summation
-order instead of autograd's), so it is compared within TOL below, and it must be byte-identical from run
-to run.
+order instead of autograd's), so it is compared within the fp32 ``sink_grad`` tolerance (tests/helpers/
+tolerances.py), and it must be byte-identical from run to run. Every test of the fused path checks that the
+kernels ran (launch counters).
 
-TOL (fp32): ``|d_sink - exact| <= REL * scale[h]`` with ``scale[h] = sum_{b,t} p_sink * (sum_d |dO*O| +
-|d_lse|)``, the sum of the magnitudes of every term (the natural bound of a float sum, cancellation
-included). Each term carries a few fp32 roundings (product, d-term sum, exp, weighting) and the sums over
-d and over tokens add ~log2(n) more with blocked/pairwise orders: measured at most 5.4e-8 here, so
-REL = 1e-5 leaves a wide margin and still catches any missing or extra term (which is O(1) of scale).
+``sink_grad``: ``|d_sink - exact| <= 1e-5 * scale[h]`` with ``scale[h] = sum_{b,t} p_sink * (sum_d |dO*O| +
+|d_lse|)`` (the float64 oracle's magnitude sum), the natural bound of a float sum, cancellation included.
+Each term carries a few fp32 roundings (product, d-term sum, exp, weighting) and the sums over d and over
+tokens add ~log2(n) more with blocked/pairwise orders: measured at most 5.4e-8 here; any missing or extra
+term is O(1) of scale.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import numpy as np
-import oracles as orc
 import paddle
 import pytest
 import torch
+from helpers import assert_bitwise, assert_close, expect_launches
+from helpers import oracles as orc
 from test_sparse_attention import make_inputs
 
 from fleet_ext import capability
@@ -29,39 +30,19 @@ from fleet_ext import capability
 capability.prepare_triton()
 
 from fleet_ext.ops.kv_idx_remap import function as fused_remap  # noqa: E402
-from fleet_ext.ops.launch import LAUNCH_COUNTS  # noqa: E402
 from fleet_ext.ops.sink_grad import function as fused  # noqa: E402
 from fleet_ext.ops.sink_grad import kernel  # noqa: E402
 from fleet_ext.ops.sink_grad import reference as ref  # noqa: E402
 from fleet_ext.ops.sparse_attn.reference import sparse_attention_with_sink  # noqa: E402
 from fleet_ext.registry import FUSIONS  # noqa: E402
 
-REL = 1e-5
 PARTIAL, REDUCE = "_sink_grad_partial_kernel", "_sink_grad_reduce_kernel"
 F32 = np.float32
-
-
-def oracle_d_sink(d_out, out, lse, sink, d_lse=None):
-    """float64, loops: sum_{b,t} exp(sink_h - lse) * (d_lse - sum_d dO*O), and the magnitude scale."""
-    d_out, out, lse, sink = (np.asarray(a, np.float64) for a in (d_out, out, lse, sink))
-    bsz, seq, heads, _ = out.shape
-    total, scale = np.zeros(heads), np.zeros(heads)
-    for b in range(bsz):
-        for t in range(seq):
-            for h in range(heads):
-                products = d_out[b, t, h] * out[b, t, h]  # float64
-                delta, mag = products.sum(), np.abs(products).sum()
-                p = math.exp(sink[h] - lse[b, t, h])
-                extra = 0.0 if d_lse is None else float(d_lse[b, t, h])
-                total[h] += p * (extra - delta)
-                scale[h] += p * (mag + abs(extra))
-    return total, scale
+oracle_d_sink = orc.sink_grad  # float64: (d_sink, the magnitude scale)
 
 
 def assert_within(got, exact, scale, what):
-    err = np.abs(np.asarray(got, np.float64) - exact)
-    bound = REL * np.maximum(scale, 1e-30)
-    assert (err <= bound).all(), f"{what}: err {err} > bound {bound}"
+    assert_close(got, exact, "fp32", "sink_grad", scale=scale, what=what)
 
 
 def make_case(rng, shape, empty_rows=True):
@@ -89,9 +70,9 @@ def test_kernel_vs_oracle_and_reference(shape, with_dlse):
     rng = np.random.default_rng(sum(shape) + with_dlse)
     d_out, out, lse, sink = make_case(rng, shape)
     d_lse = rng.standard_normal(shape[:3]).astype(F32) if with_dlse else None
-    before = LAUNCH_COUNTS[PARTIAL], LAUNCH_COUNTS[REDUCE]
-    got = kernel.sink_grad(*to_pd(d_out, out, lse, sink), d_lse=None if d_lse is None else paddle.to_tensor(d_lse))
-    assert (LAUNCH_COUNTS[PARTIAL] - before[0], LAUNCH_COUNTS[REDUCE] - before[1]) == (1, 1)
+    with expect_launches(PARTIAL, REDUCE, exactly=1):
+        got = kernel.sink_grad(*to_pd(d_out, out, lse, sink),
+                               d_lse=None if d_lse is None else paddle.to_tensor(d_lse))
     assert got.dtype == paddle.float32 and got.shape == [shape[2]]
     exact, scale = oracle_d_sink(d_out, out, lse, sink, d_lse)
     assert_within(got.numpy(), exact, scale, "kernel vs float64 oracle")
@@ -104,7 +85,8 @@ def test_only_d_lse_flows():
     rng = np.random.default_rng(2)
     d_out, out, lse, sink = make_case(rng, (2, 9, 3, 4))
     d_lse = rng.standard_normal((2, 9, 3)).astype(F32)
-    got = kernel.sink_grad(None, None, *to_pd(lse, sink), d_lse=paddle.to_tensor(d_lse))
+    with expect_launches(PARTIAL, REDUCE, exactly=1):
+        got = kernel.sink_grad(None, None, *to_pd(lse, sink), d_lse=paddle.to_tensor(d_lse))
     exact, scale = oracle_d_sink(np.zeros_like(out), out, lse, sink, d_lse)
     assert_within(got.numpy(), exact, scale, "d_lse only")
 
@@ -116,8 +98,9 @@ def test_rows_with_no_valid_index_contribute_exactly_zero():
     out = np.zeros(shape, F32)  # every row empty: out = 0
     d_out = rng.standard_normal(shape).astype(F32)
     lse = np.broadcast_to(sink, shape[:3]).copy()  # lse = sink: p_sink = exp(0) = 1
-    got = kernel.sink_grad(*to_pd(d_out, out, lse, sink))
-    assert got.numpy().tobytes() == np.zeros(3, F32).tobytes()
+    with expect_launches(PARTIAL, REDUCE, exactly=1):
+        got = kernel.sink_grad(*to_pd(d_out, out, lse, sink))
+    assert_bitwise(got, np.zeros(3, F32), "d_sink of empty rows")
 
 
 def test_non_contiguous_inputs():
@@ -130,9 +113,10 @@ def test_non_contiguous_inputs():
     out_v = paddle.to_tensor(wide)[..., ::2]
     lse_v = paddle.to_tensor(np.ascontiguousarray(lse.transpose(1, 0, 2))).transpose([1, 0, 2])
     assert not (d_out_v.is_contiguous() or out_v.is_contiguous() or lse_v.is_contiguous())
-    got = kernel.sink_grad(d_out_v, out_v, lse_v, paddle.to_tensor(sink))
-    contiguous = kernel.sink_grad(*to_pd(d_out, out, lse, sink))
-    assert got.numpy().tobytes() == contiguous.numpy().tobytes()
+    with expect_launches(PARTIAL, REDUCE, exactly=2):
+        got = kernel.sink_grad(d_out_v, out_v, lse_v, paddle.to_tensor(sink))
+        contiguous = kernel.sink_grad(*to_pd(d_out, out, lse, sink))
+    assert_bitwise(got, contiguous, "strided vs contiguous")
     exact, scale = oracle_d_sink(d_out, out, lse, sink)
     assert_within(got.numpy(), exact, scale, "non-contiguous")
 
@@ -140,7 +124,8 @@ def test_non_contiguous_inputs():
 def test_torch_tensors_work_too():
     rng = np.random.default_rng(6)
     arrays = make_case(rng, (2, 6, 3, 10))
-    got = kernel.sink_grad(*(torch.from_numpy(a) for a in arrays))
+    with expect_launches(PARTIAL, REDUCE, exactly=1):
+        got = kernel.sink_grad(*(torch.from_numpy(a) for a in arrays))
     assert isinstance(got, torch.Tensor)
     exact, scale = oracle_d_sink(*arrays)
     assert_within(got.numpy(), exact, scale, "torch")
@@ -149,9 +134,10 @@ def test_torch_tensors_work_too():
 def test_deterministic_run_after_run():
     rng = np.random.default_rng(8)
     args = to_pd(*make_case(rng, (2, 75, 5, 20)))  # two partial blocks
-    first = kernel.sink_grad(*args).numpy().tobytes()
-    for _ in range(2):
-        assert kernel.sink_grad(*args).numpy().tobytes() == first
+    with expect_launches(PARTIAL, REDUCE, exactly=3):
+        first = kernel.sink_grad(*args)
+        for _ in range(2):
+            assert_bitwise(kernel.sink_grad(*args), first, "run after run")
 
 
 @pytest.mark.parametrize(
@@ -202,11 +188,10 @@ def test_attention_bitwise_except_d_sink_and_d_sink_vs_oracle(shape, duplicates,
     d_out = rng.standard_normal(q.shape[:3] + (q.shape[3],)).astype(F32)
     d_lse = rng.standard_normal(q.shape[:3]).astype(F32) if use_lse else None
     want = run_attention(sparse_attention_with_sink, q, kv, idx, sink, scale, d_out, d_lse)
-    before = LAUNCH_COUNTS[PARTIAL]
-    got = run_attention(fused.sparse_attention_fused_sink_grad, q, kv, idx, sink, scale, d_out, d_lse)
-    assert LAUNCH_COUNTS[PARTIAL] - before == (2 if use_lse else 1)  # out's PyLayer, and lse's when used
+    with expect_launches(PARTIAL, REDUCE, exactly=2 if use_lse else 1):  # out's PyLayer, and lse's when used
+        got = run_attention(fused.sparse_attention_fused_sink_grad, q, kv, idx, sink, scale, d_out, d_lse)
     for key in ("out", "lse", "dq", "dkv"):
-        assert got[key].tobytes() == want[key].tobytes(), key
+        assert_bitwise(got[key], want[key], key)
     # d_sink: the float64 oracle (independent code), and autograd of the reference
     _, _, exact = orc.sparse_attention_bwd(q, kv, idx, sink, scale, d_out, d_lse)
     o64, lse64 = orc.sparse_attention_fwd(q, kv, idx, sink, scale)
@@ -219,16 +204,17 @@ def test_attention_bitwise_except_d_sink_and_d_sink_vs_oracle(shape, duplicates,
     if use_lse:
         kernel_only = kernel_only + kernel.sink_grad(None, None, got["lse_t"].detach(), paddle.to_tensor(sink),
                                                      d_lse=paddle.to_tensor(d_lse))
-    assert got["d_sink"].tobytes() == kernel_only.numpy().tobytes()
+    assert_bitwise(got["d_sink"], kernel_only, "d_sink vs the kernel alone")
 
 
 def test_attention_d_v_option_matches_reference():
     q, kv, idx, sink, scale, rng = make_inputs((2, 4, 3, 12, 5, 3), seed=5)
     d_out = rng.standard_normal((2, 4, 3, 8)).astype(F32)
     want = run_attention(sparse_attention_with_sink, q, kv, idx, sink, scale, d_out, d_v=8)
-    got = run_attention(fused.sparse_attention_fused_sink_grad, q, kv, idx, sink, scale, d_out, d_v=8)
+    with expect_launches(PARTIAL, REDUCE, exactly=1):
+        got = run_attention(fused.sparse_attention_fused_sink_grad, q, kv, idx, sink, scale, d_out, d_v=8)
     for key in ("out", "lse", "dq", "dkv"):
-        assert got[key].tobytes() == want[key].tobytes(), key
+        assert_bitwise(got[key], want[key], key)
     exact, scale_h = oracle_d_sink(d_out, want["out"], want["lse"], sink)
     assert_within(got["d_sink"], exact, scale_h, "d_v")
 
@@ -237,11 +223,11 @@ def test_frozen_sink_runs_no_kernel_and_matches():
     q, kv, idx, sink, scale, rng = make_inputs((2, 3, 2, 8, 5, 3), seed=9)
     d_out = rng.standard_normal((2, 3, 2, 8)).astype(F32)
     want = run_attention(sparse_attention_with_sink, q, kv, idx, sink, scale, d_out, sink_grad=False)
-    before = LAUNCH_COUNTS[PARTIAL]
-    got = run_attention(fused.sparse_attention_fused_sink_grad, q, kv, idx, sink, scale, d_out, sink_grad=False)
-    assert LAUNCH_COUNTS[PARTIAL] == before and got["d_sink"] is None
+    with expect_launches(PARTIAL, REDUCE, exactly=0):
+        got = run_attention(fused.sparse_attention_fused_sink_grad, q, kv, idx, sink, scale, d_out, sink_grad=False)
+    assert got["d_sink"] is None
     for key in ("out", "lse", "dq", "dkv"):
-        assert got[key].tobytes() == want[key].tobytes(), key
+        assert_bitwise(got[key], want[key], key)
 
 
 def test_attention_deterministic_and_registry_wiring():
@@ -251,9 +237,10 @@ def test_attention_deterministic_and_registry_wiring():
     attn = functools.partial(entry.load("fused"), remap=fused_remap.local_to_global_flat)  # as the provider wires it
     q, kv, idx, sink, scale, rng = make_inputs((2, 70, 2, 8, 9, 5), seed=12)
     d_out = rng.standard_normal((2, 70, 2, 8)).astype(F32)
-    runs = [run_attention(attn, q, kv, idx, sink, scale, d_out) for _ in range(2)]
+    with expect_launches(PARTIAL, REDUCE, "_kv_idx_remap_kernel", exactly=2):
+        runs = [run_attention(attn, q, kv, idx, sink, scale, d_out) for _ in range(2)]
     for key in ("out", "lse", "dq", "dkv", "d_sink"):
-        assert runs[0][key].tobytes() == runs[1][key].tobytes(), key
+        assert_bitwise(runs[0][key], runs[1][key], f"{key}, two runs")
 
 
 def test_attention_bad_sink_raises_like_the_reference():
@@ -272,8 +259,9 @@ def test_gpu_launch_geometry_in_the_interpreter(monkeypatch):
     rng = np.random.default_rng(13)
     arrays = make_case(rng, (1, 20, 64, 300))
     d_lse = rng.standard_normal((1, 20, 64)).astype(F32)
-    got = kernel.sink_grad(*to_pd(*arrays), d_lse=paddle.to_tensor(d_lse))
-    again = kernel.sink_grad(*to_pd(*arrays), d_lse=paddle.to_tensor(d_lse))
-    assert got.numpy().tobytes() == again.numpy().tobytes()
+    with expect_launches(PARTIAL, REDUCE, exactly=2):
+        got = kernel.sink_grad(*to_pd(*arrays), d_lse=paddle.to_tensor(d_lse))
+        again = kernel.sink_grad(*to_pd(*arrays), d_lse=paddle.to_tensor(d_lse))
+    assert_bitwise(got, again, "two runs")
     exact, scale = oracle_d_sink(*arrays, d_lse)
     assert_within(got.numpy(), exact, scale, "GPU geometry")

@@ -11,14 +11,16 @@ from __future__ import annotations
 import numpy as np
 import paddle
 import pytest
+from helpers import DEFAULT_WIDTHS_2L, tolerance
 
 torch = pytest.importorskip("torch", reason="HF parity needs torch (installed by the `test` extra)")
 transformers = pytest.importorskip("transformers", reason="HF parity needs transformers==5.23.0 (`test` extra)")
 
-from fleet_ext.checkpoint.hf_dsv4 import config_to_hf  # noqa: E402
 from fleet_ext.models import DSv4ForCausalLM  # noqa: E402
+from fleet_ext.models.hf_dsv4 import config_to_hf  # noqa: E402
+from fleet_ext.parallel.layout import SequenceLayout  # noqa: E402
 
-LOGIT_TOL = 1e-4  # fp32 on both sides; observed differences are ~1e-6
+LOGIT_TOL = tolerance("fp32", "hf_parity").atol  # fp32 on both sides; observed differences are ~1e-6
 
 SWA, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 
@@ -103,13 +105,14 @@ def test_indexer_and_compressors_are_exercised(tmp_path):
     csa = model.layers[1].self_attention.core_attention
     x = paddle.randn([2, case["seq_len"], 32])
     q_latent = paddle.randn([2, case["seq_len"], 12])
-    picks = csa.indexer(x, q_latent).numpy()
+    layout = SequenceLayout.whole(case["seq_len"])
+    picks = csa.indexer(x, q_latent, layout).numpy()
     visible = (np.arange(case["seq_len"]) + 1) // 4
     assert picks.shape[-1] == 5 and visible.max() > 5, "top-k must be smaller than the visible set"
     assert (picks[:, -1] >= 0).all(), "late queries fill every top-k slot"
     assert (picks[:, :3] == -1).all(), "queries before the first full block have no compressed entry"
     hca = model.layers[2].self_attention.core_attention
-    assert hca.compressor(x).shape[1] == case["seq_len"] // 128 >= 2
+    assert hca.compressor(x, layout).shape[1] == case["seq_len"] // 128 >= 2
 
 
 def test_export_round_trip_through_transformers(tmp_path):
@@ -162,6 +165,14 @@ def test_fleet_native_model_exports_to_transformers(tmp_path):
 def test_export_rejects_configs_without_hf_equivalent(overrides, message):
     from fleet_ext.config import load_config
 
-    base = {"num_hidden_layers": 2, "csa_compress_ratios": [0, 128], "moe_n_hash_layers": 0}
     with pytest.raises(ValueError, match=message):
-        config_to_hf(load_config({**base, **overrides}))
+        config_to_hf(load_config({**DEFAULT_WIDTHS_2L, **overrides}))
+
+
+def test_a_checkpoint_with_short_positions_loads(tmp_path):
+    """A model whose max_position_embeddings (100) is below the default training sequence (256) still loads:
+    the import caps max_seq_len at the model's positions instead of failing the load_config rule."""
+    case = dict(CASES["yarn_sqrtsoftplus"], max_position_embeddings=100)
+    _hf_model(case).save_pretrained(tmp_path)
+    model = DSv4ForCausalLM.from_pretrained(tmp_path)
+    assert model.config.model.max_position_embeddings == 100 and model.config.training.max_seq_len == 100

@@ -20,6 +20,9 @@ from fleet_ext.layers.index_tables import (
     window_index_table,
 )
 from fleet_ext.ops.kv_idx_remap.reference import local_to_global_flat
+from fleet_ext.parallel.layout import SequenceLayout
+
+whole = SequenceLayout.whole
 
 
 def _np(t: paddle.Tensor) -> np.ndarray:
@@ -38,14 +41,14 @@ def test_window_table_s6_w3():
         [2, 3, 4],
         [3, 4, 5],
     ]
-    got = window_index_table(6, 3)
+    got = window_index_table(whole(6), 3)
     assert got.dtype == paddle.int32, got.dtype
     np.testing.assert_array_equal(_np(got), np.array(expected), err_msg="window table s=6 W=3")
 
 
 def test_window_table_window_longer_than_sequence():
     expected = [[-1, -1, -1, -1, 0], [-1, -1, -1, 0, 1]]
-    np.testing.assert_array_equal(_np(window_index_table(2, 5)), np.array(expected))
+    np.testing.assert_array_equal(_np(window_index_table(whole(2), 5)), np.array(expected))
 
 
 def test_hca_table_s9_ratio4_offset9():
@@ -61,20 +64,20 @@ def test_hca_table_s9_ratio4_offset9():
         [9, 10],
         [9, 10],
     ]
-    got = all_compressed_index_table(9, 4, 9)
+    got = all_compressed_index_table(whole(9), 4, 9)
     assert got.dtype == paddle.int32, got.dtype
     np.testing.assert_array_equal(_np(got), np.array(expected), err_msg="HCA table s=9 ratio=4 offset=9")
-    np.testing.assert_array_equal(compressed_visible_count(9, 4), [0, 0, 0, 1, 1, 1, 1, 2, 2])
+    np.testing.assert_array_equal(compressed_visible_count(whole(9), 4).numpy(), [0, 0, 0, 1, 1, 1, 1, 2, 2])
 
 
 def test_compressed_table_empty_when_no_full_block():
-    got = _np(all_compressed_index_table(3, 4, 3))
+    got = _np(all_compressed_index_table(whole(3), 4, 3))
     assert got.shape == (3, 0), got.shape
 
 
 def test_full_causal_s4():
     expected = [[0, -1, -1, -1], [0, 1, -1, -1], [0, 1, 2, -1], [0, 1, 2, 3]]
-    got = full_causal_index_table(4)
+    got = full_causal_index_table(whole(4))
     assert got.dtype == paddle.int32, got.dtype
     np.testing.assert_array_equal(_np(got), np.array(expected), err_msg="full-causal table s=4")
 
@@ -93,7 +96,7 @@ def test_compressed_topk_to_kv_full(dtype):
 @settings(max_examples=60, deadline=None)
 @given(seq=st.integers(1, 40), window=st.integers(1, 12))
 def test_window_table_causal_rule(seq, window):
-    table = _np(window_index_table(seq, window))
+    table = _np(window_index_table(whole(seq), window))
     assert table.shape == (seq, window)
     for t in range(seq):
         row = table[t]
@@ -107,9 +110,9 @@ def test_window_table_causal_rule(seq, window):
 @settings(max_examples=60, deadline=None)
 @given(seq=st.integers(1, 48), ratio=st.integers(2, 9), offset=st.integers(0, 50))
 def test_compressed_table_causal_rule(seq, ratio, offset):
-    table = _np(all_compressed_index_table(seq, ratio, offset))
+    table = _np(all_compressed_index_table(whole(seq), ratio, offset))
     assert table.shape == (seq, seq // ratio)
-    counts = compressed_visible_count(seq, ratio)
+    counts = compressed_visible_count(whole(seq), ratio).numpy()
     for t in range(seq):
         row = table[t]
         assert np.all(row[row < 0] == -1), f"t={t}: invalid slots must be exactly -1, got {row}"
@@ -122,7 +125,7 @@ def test_compressed_table_causal_rule(seq, ratio, offset):
 @settings(max_examples=30, deadline=None)
 @given(seq=st.integers(1, 30))
 def test_full_causal_rule(seq):
-    table = _np(full_causal_index_table(seq))
+    table = _np(full_causal_index_table(whole(seq)))
     for t in range(seq):
         assert table[t, : t + 1].tolist() == list(range(t + 1))
         assert np.all(table[t, t + 1 :] == -1)

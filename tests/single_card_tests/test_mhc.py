@@ -1,35 +1,28 @@
 """mHC hyper-connections and Sinkhorn vs the float64 oracle (dsv4_math.md §3).
 
-Tolerances: fp32 layer vs float64 oracle. The mixing projection contracts n*D = 128 O(1) terms and the
-20 Sinkhorn iterations are well conditioned, so 1e-5. Gradients: fp32 autograd vs central differences of
-the float64 oracle (FD error ~1e-10); measured fp32 error ~1e-6 relative, so 1e-4 of the largest entry.
+Tolerances (tests/helpers/tolerances.py, fp32): the layer vs the float64 oracle, ``oracle`` (the mixing
+projection contracts n*D = 128 O(1) terms and the 20 Sinkhorn iterations are well conditioned); gradients:
+fp32 autograd vs central differences of the float64 oracle, ``fd_grad_of_max``; Sinkhorn row and column
+sums, ``sinkhorn_*``.
 """
 
 from __future__ import annotations
 
 import numpy as np
-import oracles as orc
 import paddle
 import pytest
+from helpers import assert_close, tiny_model
+from helpers import oracles as orc
 
 from fleet_ext.config import load_config
 from fleet_ext.layers.mhc import HyperConnection, HyperHead, hyper_combine, sinkhorn
 
-FP32_TOL = {"rtol": 1e-5, "atol": 1e-5}
-GRAD_REL = 1e-4
 N, D = 4, 32
 
 
 def make_config(**overrides):
-    base = {
-        "vocab_size": 64, "hidden_size": D, "num_hidden_layers": 3, "num_attention_heads": 4, "q_lora_rank": 16,
-        "v_head_dim": 16, "qk_pos_emb_head_dim": 8, "csa_compress_ratios": [0, 4, 128], "csa_window_size": 8,
-        "o_groups": 2, "o_lora_rank": 8, "dsa_index_n_heads": 2, "dsa_index_head_dim": 8, "dsa_index_topk": 3,
-        "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "moe_n_hash_layers": 1,
-        "original_max_position_embeddings": 64, "rotary_scaling_factor": 4.0,
-    }
-    base.update(overrides)
-    return load_config(base).model
+    base = tiny_model(hidden_size=D, num_hidden_layers=3, csa_compress_ratios=[0, 4, 128], init_method_std=0.02)
+    return load_config({**base, **overrides}).model
 
 
 def randomize(layer, rng, scale_values):
@@ -45,7 +38,7 @@ def randomize(layer, rng, scale_values):
 def assert_grad_close(got, want, name):
     scale = np.abs(want).max()
     assert scale > 1e-3, f"{name}: oracle gradient is ~0, the comparison would be vacuous"
-    np.testing.assert_allclose(got, want, rtol=0, atol=GRAD_REL * scale, err_msg=name)
+    assert_close(got, want, "fp32", "fd_grad_of_max", what=name)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -57,13 +50,13 @@ def test_sinkhorn_doubly_stochastic_and_matches_oracle(logit_scale):
     got = sinkhorn(paddle.to_tensor(logits.astype("float32")), 20, 1e-6).numpy()
     assert got.shape == (6, N, N)
     assert np.all(got > 0)
-    np.testing.assert_allclose(got, orc.sinkhorn(logits.astype("float32"), 20, 1e-6), **FP32_TOL)
+    assert_close(got, orc.sinkhorn(logits.astype("float32"), 20, 1e-6), "fp32", "oracle")
     # Columns are normalised last, so they sum to colsum / (colsum + eps) = 1 - O(eps) whatever the logits.
-    np.testing.assert_allclose(got.sum(-2), 1.0, rtol=0, atol=1e-5, err_msg="column sums")
+    assert_close(got.sum(-2), 1.0, "fp32", "sinkhorn_col_sums", what="column sums")
     # Rows: Sinkhorn converges linearly; 20 iterations reach 1e-5 for O(1) logits (the mHC regime), not for
-    # logits of spread ~3 (the float64 oracle has the same residual there, checked just above), so 1e-2.
-    row_tol = 1e-5 if logit_scale == 1.0 else 1e-2
-    np.testing.assert_allclose(got.sum(-1), 1.0, rtol=0, atol=row_tol, err_msg="row sums")
+    # logits of spread ~3 (the float64 oracle has the same residual there, checked just above).
+    row_tol = "sinkhorn_row_sums" if logit_scale == 1.0 else "sinkhorn_row_sums_spread"
+    assert_close(got.sum(-1), 1.0, "fp32", row_tol, what="row sums")
     # Non-vacuous: one pass (row softmax + one column normalisation) is not yet row-stochastic.
     one = sinkhorn(paddle.to_tensor(logits.astype("float32")), 1, 1e-6).numpy()
     assert np.abs(one.sum(-1) - 1.0).max() > 1e-2
@@ -74,7 +67,7 @@ def test_sinkhorn_eps_and_iterations_follow_the_formula():
     for iters, eps in ((1, 1e-6), (3, 1e-2), (20, 0.5)):
         got = sinkhorn(paddle.to_tensor(logits), iters, eps).numpy()
         want = orc.sinkhorn(logits, iters, eps)
-        np.testing.assert_allclose(got, want, **FP32_TOL, err_msg=f"iters={iters} eps={eps}")
+        assert_close(got, want, "fp32", "oracle", what=f"iters={iters} eps={eps}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -91,9 +84,9 @@ def test_hyper_connection_matches_oracle(hc_eps):
     want_post, want_comb, want_y = orc.hc_pre(streams, params["fn"], params["base"], params["scale"],
                                               cfg.mhc_sinkhorn_iterations, cfg.mhc_eps, cfg.rms_norm_eps)
     assert post.shape == (2, 3, N) and comb.shape == (2, 3, N, N) and collapsed.shape == (2, 3, D)
-    np.testing.assert_allclose(post, want_post, **FP32_TOL, err_msg="post")
-    np.testing.assert_allclose(comb, want_comb, **FP32_TOL, err_msg="comb")
-    np.testing.assert_allclose(collapsed, want_y, **FP32_TOL, err_msg="collapsed")
+    assert_close(post, want_post, "fp32", "oracle", what="post")
+    assert_close(comb, want_comb, "fp32", "oracle", what="comb")
+    assert_close(collapsed, want_y, "fp32", "oracle", what="collapsed")
     # base/scale must matter for this to test them.
     _, _, y_default = orc.hc_pre(streams, params["fn"], np.zeros(24), np.ones(3), 20, hc_eps, cfg.rms_norm_eps)
     assert np.abs(y_default - want_y).max() > 1e-2
@@ -107,7 +100,7 @@ def test_hyper_combine_matches_oracle():
     comb = rng.uniform(0, 1, (2, 3, N, N)).astype("float32")  # deliberately not symmetric
     got = hyper_combine(*(paddle.to_tensor(a) for a in (streams, block_out, post, comb))).numpy()
     want = orc.hc_post(streams, block_out, post, comb)
-    np.testing.assert_allclose(got, want, **FP32_TOL)
+    assert_close(got, want, "fp32", "oracle")
     transposed = orc.hc_post(streams, block_out, post, np.swapaxes(comb, -1, -2))
     assert np.abs(transposed - want).max() > 1e-2, "comb orientation ([from i, to j]) must be distinguishable"
 
@@ -121,7 +114,7 @@ def test_hyper_head_matches_oracle(hc_eps):
     streams = rng.standard_normal((2, 3, N, D)).astype("float32")
     got = head(paddle.to_tensor(streams)).numpy()
     want = orc.hc_head(streams, params["fn"], params["base"], params["scale"], cfg.mhc_eps, cfg.rms_norm_eps)
-    np.testing.assert_allclose(got, want, **FP32_TOL)
+    assert_close(got, want, "fp32", "oracle")
 
 
 # --------------------------------------------------------------------------------------------------

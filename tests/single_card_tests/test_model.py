@@ -5,25 +5,22 @@ from __future__ import annotations
 import numpy as np
 import paddle
 import pytest
+from helpers import assert_close, tiny_model
 from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
 
 from fleet_ext.config import load_config
-from fleet_ext.framework.backend import BackendProvider
 from fleet_ext.framework.spec import LayerSpec, build_layer
-from fleet_ext.framework.specs import decoder_layer_spec
-from fleet_ext.framework.transformer_layer import TransformerLayer
+from fleet_ext.layer_kinds import LayerKind
 from fleet_ext.layers.dsv4_attention import DSv4HybridSelfAttention
 from fleet_ext.layers.mlp import SwiGLUMLP
 from fleet_ext.layers.moe import MoELayer
 from fleet_ext.models import DSv4ForCausalLM
+from fleet_ext.parallel.layout import SequenceLayout
+from fleet_ext.specs.backend import BackendProvider
+from fleet_ext.specs.layer_specs import decoder_layer_spec
+from fleet_ext.specs.transformer_layer import TransformerLayer
 
-BASE = {
-    "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4, "q_lora_rank": 16,
-    "v_head_dim": 16, "qk_pos_emb_head_dim": 8, "csa_compress_ratios": [0, 4, 128, -1], "csa_window_size": 8,
-    "o_groups": 2, "o_lora_rank": 8, "dsa_index_n_heads": 2, "dsa_index_head_dim": 8, "dsa_index_topk": 3,
-    "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "moe_n_hash_layers": 1,
-    "original_max_position_embeddings": 64, "rotary_scaling_factor": 4.0, "init_method_std": 0.1,
-}
+BASE = tiny_model()
 SEQ = 140  # > 128 so the HCA layer has an entry; not a multiple of 4
 
 
@@ -53,7 +50,7 @@ def test_logits_and_loss_match_an_independent_cross_entropy():
     logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
     keep = labels != -100
     expected = -logp[keep, labels[keep]].mean()
-    assert abs(float(loss) - expected) < 1e-5
+    assert_close(float(loss), expected, "fp32", "model_loss")
     assert np.array_equal(model(ids).numpy(), logits.numpy()), "logits without labels differ"
 
 
@@ -81,8 +78,8 @@ def test_future_tokens_do_not_change_past_logits():
         with paddle.no_grad():
             a = model(paddle.to_tensor(ids)).numpy()
             b = model(paddle.to_tensor(changed)).numpy()
-        # 1e-5: expert grouping spans all tokens, so GEMM shapes (and fp32 rounding) change; a leak is O(1e-1).
-        np.testing.assert_allclose(a[:, :pos], b[:, :pos], rtol=0, atol=1e-5, err_msg=f"leak from position {pos}")
+        # Expert grouping spans all tokens, so GEMM shapes (and fp32 rounding) change; a leak is O(1e-1).
+        assert_close(a[:, :pos], b[:, :pos], "fp32", "model_token_grouping", what=f"leak from position {pos}")
         assert np.abs(a[:, pos:] - b[:, pos:]).max() > 1e-3, "the change must be visible after it"
 
 
@@ -95,7 +92,7 @@ def test_batch_rows_are_independent():
         alone = model(ids[1:2]).numpy()
     # Not bitwise: experts group tokens across the batch, and the per-expert GEMM's row count changes MKL's
     # blocking (fp32 rounding only).
-    np.testing.assert_allclose(together[1:2], alone, rtol=0, atol=1e-5)
+    assert_close(together[1:2], alone, "fp32", "model_token_grouping", what="batch row 1")
 
 
 def test_same_seed_builds_bitwise_identical_models():
@@ -114,8 +111,9 @@ def test_full_causal_layer_equals_a_window_layer_that_covers_the_sequence():
     x = paddle.randn([2, seq, 32])
     a = full.layers[0].self_attention(x).numpy()
     b = window.layers[0].self_attention(x).numpy()
-    np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
-    table = full.layers[0].self_attention.core_attention.index_table(x, paddle.zeros([2, seq, 16])).numpy()
+    assert_close(a, b, "fp32", "attention_slot_order")
+    core = full.layers[0].self_attention.core_attention
+    table = core.index_table(x, paddle.zeros([2, seq, 16]), SequenceLayout.whole(seq)).numpy()
     assert table.shape == (2, seq, seq) and table[0, 3, :5].tolist() == [0, 1, 2, 3, -1]
 
 
@@ -165,7 +163,8 @@ def test_specs_pick_sublayers_per_layer_kind():
     assert spec.sublayers["mlp"].module is SwiGLUMLP and decoder_layer_spec(config, 1, backend).sublayers[
         "mlp"].module is MoELayer
     layer = build_layer(decoder_layer_spec(config, 2, backend), config)
-    assert isinstance(layer.self_attention, DSv4HybridSelfAttention) and layer.self_attention.ratio == 128
+    assert isinstance(layer.self_attention, DSv4HybridSelfAttention) and layer.self_attention.kind is LayerKind.HCA
+    assert layer.self_attention.core_attention.ratio == config.model.hca_compress_ratio == 128
     assert layer.self_attention.core_attention.indexer is None and layer.self_attention.core_attention.compressor
     csa = build_layer(decoder_layer_spec(config, 1, backend), config).self_attention.core_attention
     assert csa.indexer is not None and csa.compressor.overlap
@@ -221,3 +220,22 @@ def test_flex_checkpoint_round_trip_is_bitwise(tmp_path):
     for name, tensor in source.state_dict().items():
         assert np.array_equal(tensor.numpy(), target.state_dict()[name].numpy()), name
     assert np.array_equal(source(ids).numpy(), target(ids).numpy())
+
+
+def test_the_model_owns_the_auxiliary_loss_backward_scale():
+    """The scale reaches every MoE router through the model (instance state, no class-level global), and the
+    router's aux-loss gradient scales with it; the trainer reads the losses through the model."""
+    grads = {}
+    for scale in (1.0, 3.0):
+        model = _model(moe_router_load_balancing_type="seq_aux_loss", moe_n_hash_layers=0)
+        model.train()
+        model.set_aux_loss_backward_scale(scale)
+        assert [m.router.aux_loss_backward_scale for m in model.moe_layers()] == [scale] * len(model.moe_layers())
+        (model(_ids()) * 0.0).sum().backward()  # only the aux loss sends gradient
+        grads[scale] = model.moe_layers()[0].router.weight.grad.numpy()
+        losses = model.auxiliary_losses()
+        assert losses["moe_aux_loss"].item() > 0 and losses["indexer_loss"].item() == 0.0
+    assert np.abs(grads[1.0]).max() > 0
+    # The scale enters before several fp32 sums of mixed-sign terms, so entries near 0 cancel: bounded relative
+    # to the largest entry; a scale of 1 would miss by 2x.
+    assert_close(grads[3.0], 3.0 * grads[1.0], "fp32", "loss_scale_of_max", scale=np.abs(grads[3.0]).max())

@@ -1,23 +1,22 @@
 """Partial interleaved RoPE and its frequency tables vs the float64 oracle (dsv4_math.md §2.1, §2.6).
 
-Tolerances: the layer rotates fp32 values with fp32 cos/sin (angles formed in float64, then rounded), the
-oracle rotates in float64 with exact angles; for |x| ~ 1 the difference is a few fp32 ulps, so 1e-6.
-Frequencies are float64 on both sides: 1e-12 relative.
+Tolerances (tests/helpers/tolerances.py): the layer rotates fp32 values with fp32 cos/sin (angles formed in
+float64, then rounded), the oracle in float64 with exact angles: fp32 ``oracle_rope``; the cos/sin tables:
+fp32 ``rope_table``; frequencies are float64 on both sides: float64 ``frequencies``.
 """
 
 from __future__ import annotations
 
 import numpy as np
-import oracles as orc
 import paddle
 import pytest
+from helpers import assert_close, tiny_model
+from helpers import oracles as orc
 
 from fleet_ext.config import load_config
+from fleet_ext.layer_kinds import layer_attention
 from fleet_ext.layers.rope import RotaryTable, plain_inv_freq, yarn_inv_freq
 from fleet_ext.ops.rope.reference import apply_partial_rope
-
-FP32_TOL = {"rtol": 1e-6, "atol": 1e-6}
-F64_TOL = {"rtol": 1e-12, "atol": 0.0}
 
 
 def _cos_sin(angles: np.ndarray):
@@ -54,7 +53,7 @@ def test_apply_partial_rope_matches_oracle(shape, batched_positions, inverse):
     assert got.dtype == np.float32 and got.shape == x.shape
     nope = shape[-1] - rope_dim
     assert np.abs(want[..., nope:] - x[..., nope:]).max() > 0.1, "the rotation must actually move the rope channels"
-    np.testing.assert_allclose(got, want, **FP32_TOL)
+    assert_close(got, want, "fp32", "oracle_rope")
     np.testing.assert_array_equal(got[..., :nope], x[..., :nope], err_msg="nope channels must pass bit-exactly")
 
 
@@ -67,7 +66,7 @@ def test_rope_pairs_are_adjacent_channels():
     got = apply_partial_rope(paddle.to_tensor(x), *_cos_sin(angles)).numpy()[0, 0]
     want = np.zeros(d)
     want[d - rope_dim], want[d - rope_dim + 1] = np.cos(theta), np.sin(theta)
-    np.testing.assert_allclose(got, want, **FP32_TOL)
+    assert_close(got, want, "fp32", "oracle_rope")
 
 
 def test_inverse_undoes_forward():
@@ -77,7 +76,7 @@ def test_inverse_undoes_forward():
     fwd = apply_partial_rope(xt, cos, sin)
     assert np.abs(fwd.numpy() - x).max() > 0.1
     back = apply_partial_rope(fwd, cos, sin, inverse=True).numpy()
-    np.testing.assert_allclose(back, x, **FP32_TOL)
+    assert_close(back, x, "fp32", "oracle_rope")
     np.testing.assert_array_equal(x, xt.numpy(), err_msg="rope must be out of place")
 
 
@@ -86,7 +85,7 @@ def test_rope_gradient_is_inverse_rotation():
     g = np.random.default_rng(4).standard_normal(x.shape).astype("float32")
     xt = paddle.to_tensor(x, stop_gradient=False)
     (apply_partial_rope(xt, *_cos_sin(angles)) * paddle.to_tensor(g)).sum().backward()
-    np.testing.assert_allclose(xt.grad.numpy(), orc.rope(g, angles[:, None, :], inverse=True), **FP32_TOL)
+    assert_close(xt.grad.numpy(), orc.rope(g, angles[:, None, :], inverse=True), "fp32", "oracle_rope")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -94,7 +93,7 @@ def test_rope_gradient_is_inverse_rotation():
 # --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dim,base", [(8, 10000.0), (64, 10000.0), (64, 160000.0), (6, 3.0)])
 def test_plain_inv_freq(dim, base):
-    np.testing.assert_allclose(plain_inv_freq(dim, base), orc.plain_inv_freq(dim, base), **F64_TOL)
+    assert_close(plain_inv_freq(dim, base), orc.plain_inv_freq(dim, base), "float64", "frequencies")
 
 
 @pytest.mark.parametrize(
@@ -110,7 +109,7 @@ def test_plain_inv_freq(dim, base):
 def test_yarn_inv_freq(dim, base, factor, orig, fast, slow):
     got = yarn_inv_freq(dim, base, factor, orig, fast, slow)
     want = orc.yarn_inv_freq(dim, base, factor, orig, fast, slow)
-    np.testing.assert_allclose(got, want, **F64_TOL)
+    assert_close(got, want, "float64", "frequencies")
     ratio = want / orc.plain_inv_freq(dim, base)
     assert np.any(ratio < 1.0 - 1e-6), "some pairs must be interpolated, else this only re-tests plain RoPE"
     if orig in (65536, 60000):
@@ -118,40 +117,34 @@ def test_yarn_inv_freq(dim, base, factor, orig, fast, slow):
 
 
 def _config(**overrides):
-    base = {
-        "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4, "q_lora_rank": 16,
-        "v_head_dim": 16, "qk_pos_emb_head_dim": 8, "csa_compress_ratios": [0, 4, 128], "csa_window_size": 8,
-        "o_groups": 2, "o_lora_rank": 8, "dsa_index_n_heads": 2, "dsa_index_head_dim": 8, "dsa_index_topk": 3,
-        "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "moe_n_hash_layers": 1,
-        "original_max_position_embeddings": 64, "rotary_scaling_factor": 4.0,
-    }
-    base.update(overrides)
-    return load_config(base).model
+    base = tiny_model(num_hidden_layers=3, csa_compress_ratios=[0, 4, 128], init_method_std=0.02)
+    return load_config({**base, **overrides}).model
 
 
 @pytest.mark.parametrize("ratio", [0, -1, 4, 128])
 def test_rotary_table_for_layer(ratio):
-    cfg = _config(qk_pos_emb_head_dim=16, dsa_index_head_dim=16, original_max_position_embeddings=256)
-    table = RotaryTable.for_layer(cfg, ratio)
+    cfg = _config(qk_pos_emb_head_dim=16, dsa_index_head_dim=16, original_max_position_embeddings=256,
+                  csa_compress_ratios=[ratio, 4, 128])
+    table = RotaryTable.for_spec(layer_attention(cfg, 0).rope)
     if ratio <= 0:
         want = orc.plain_inv_freq(16, cfg.rotary_base)
     else:
         want = orc.yarn_inv_freq(16, cfg.csa_compress_rotary_base, cfg.rotary_scaling_factor,
                                  cfg.original_max_position_embeddings, cfg.beta_fast, cfg.beta_slow)
-    np.testing.assert_allclose(table.inv_freq, want, **F64_TOL)
+    assert_close(table.inv_freq, want, "float64", "frequencies")
     positions = [0, 1, 7, 300, 4095]
-    cos, sin = table.cos_sin(positions)
+    cos, sin = table.cos_sin_at(positions)
     assert cos.dtype == paddle.float32 and list(cos.shape) == [5, 8]
     angles = orc.rope_angles(positions, want)
-    np.testing.assert_allclose(cos.numpy(), np.cos(angles), rtol=0, atol=1e-7)
-    np.testing.assert_allclose(sin.numpy(), np.sin(angles), rtol=0, atol=1e-7)
+    assert_close(cos.numpy(), np.cos(angles), "fp32", "rope_table", what="cos")
+    assert_close(sin.numpy(), np.sin(angles), "fp32", "rope_table", what="sin")
 
 
 @pytest.mark.parametrize("key,ratio", [("csa_rope_type", 4), ("hca_rope_type", 128)])
 def test_rotary_table_plain_rope_on_compressed_layer(key, ratio):
-    cfg = _config(**{key: "rope"})
+    cfg = _config(**{key: "rope"}, csa_compress_ratios=[ratio, 4, 128])
     want = orc.plain_inv_freq(8, cfg.csa_compress_rotary_base)
-    np.testing.assert_allclose(RotaryTable.for_layer(cfg, ratio).inv_freq, want, **F64_TOL)
+    assert_close(RotaryTable.for_spec(layer_attention(cfg, 0).rope).inv_freq, want, "float64", "frequencies")
     assert not np.allclose(want, orc.plain_inv_freq(8, cfg.rotary_base)), "bases must differ for this to mean much"
 
 

@@ -1,9 +1,10 @@
 """Sparse MQA attention with a per-head sink vs the float64 oracle (dsv4_math.md §2.5 forward, §7 backward).
 
-Tolerances: fp32 reference vs float64 oracle. Logits are contractions of d <= 16 O(1) terms and the softmax
-and weighted sum keep relative error at a few ulps, so 1e-5 for outputs and lse; gradients chain two such
-contractions (measured ~1e-7), so 1e-5 relative to the largest entry of each gradient. d_sink vs central
-differences of the float64 oracle: same 1e-5 bound (FD error ~1e-10).
+Tolerances (tests/helpers/tolerances.py, fp32): the reference vs the float64 oracle. Logits are contractions
+of d <= 16 O(1) terms and the softmax and weighted sum keep relative error at a few ulps: ``oracle`` for
+outputs and lse; gradients chain two such contractions (measured ~1e-7): ``oracle_grad``, relative to the
+largest entry of each gradient; d_sink vs central differences of the float64 oracle: the same entry (FD
+error ~1e-10). An empty row's lse is the sink: ``empty_row_lse_rel``.
 """
 
 from __future__ import annotations
@@ -11,14 +12,12 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import oracles as orc
 import paddle
 import pytest
+from helpers import assert_bitwise, assert_close
+from helpers import oracles as orc
 
 from fleet_ext.ops.sparse_attn.reference import sparse_attention_with_sink
-
-FP32_TOL = {"rtol": 1e-5, "atol": 1e-5}
-GRAD_REL = 1e-5
 
 # (B, S, H, d, N, K)
 SHAPES = [(2, 5, 3, 8, 7, 4), (1, 6, 4, 16, 6, 6), (3, 2, 1, 4, 3, 2)]
@@ -70,7 +69,7 @@ def run(q, kv, idx, sink, scale, d_out=None, d_lse=None):
 def assert_grad_close(got, want, name):
     scale = np.abs(want).max()
     assert scale > 1e-3, f"{name}: oracle gradient is ~0, the comparison would be vacuous"
-    np.testing.assert_allclose(got, want, rtol=0, atol=GRAD_REL * scale, err_msg=name)
+    assert_close(got, want, "fp32", "oracle_grad", what=name)
 
 
 @pytest.mark.parametrize("idx_dtype", ["int32", "int64"])
@@ -81,8 +80,8 @@ def test_forward_matches_oracle(shape, idx_dtype):
     assert out.shape == q.shape and lse.shape == q.shape[:3]
     assert out.dtype == np.float32 and lse.dtype == np.float32
     want_out, want_lse = orc.sparse_attention_fwd(q, kv, idx, sink, scale)
-    np.testing.assert_allclose(out, want_out, **FP32_TOL, err_msg="out")
-    np.testing.assert_allclose(lse, want_lse, **FP32_TOL, err_msg="lse")
+    assert_close(out, want_out, "fp32", "oracle", what="out")
+    assert_close(lse, want_lse, "fp32", "oracle", what="lse")
     # The sink must matter: without it the oracle output differs.
     no_sink_out, _ = orc.sparse_attention_fwd(q, kv, idx, np.full(sink.shape, -1e30), scale)
     assert np.abs(no_sink_out - want_out).max() > 1e-2
@@ -97,7 +96,7 @@ def test_rows_without_any_valid_index_are_exactly_zero_and_finite():
         assert np.all(idx[b, t] == -1)
         assert np.all(out[b, t] == 0.0), f"row ({b},{t}) with no valid key must output exactly 0, got {out[b, t]}"
         assert np.all(dq[b, t] == 0.0), f"row ({b},{t}) with no valid key must get dq exactly 0, got {dq[b, t]}"
-        np.testing.assert_allclose(lse[b, t], sink, rtol=1e-6, err_msg="empty row: lse = sink")
+        assert_close(lse[b, t], sink, "fp32", "empty_row_lse_rel", what="empty row: lse = sink")
     for name, arr in (("out", out), ("lse", lse), ("dq", dq), ("dkv", dkv), ("dsink", dsink)):
         assert np.all(np.isfinite(arr)), f"{name} has non-finite values"
 
@@ -132,8 +131,8 @@ def test_backward_with_duplicate_indices():
     d_out = rng.standard_normal(q.shape).astype("float32")
     out, lse, dq, dkv, dsink = run(q, kv, idx, sink, scale, d_out=d_out)
     want_out, want_lse = orc.sparse_attention_fwd(q, kv, idx, sink, scale)
-    np.testing.assert_allclose(out, want_out, **FP32_TOL)
-    np.testing.assert_allclose(lse, want_lse, **FP32_TOL)
+    assert_close(out, want_out, "fp32", "oracle", what="out")
+    assert_close(lse, want_lse, "fp32", "oracle", what="lse")
     want_dq, want_dkv, want_dsink = orc.sparse_attention_bwd(q, kv, idx, sink, scale, d_out)
     assert_grad_close(dq, want_dq, "dq")
     assert_grad_close(dkv, want_dkv, "dkv")
@@ -167,7 +166,7 @@ def test_two_runs_are_byte_identical():
     first = run(q, kv, idx, sink, scale, d_out=d_out)
     second = run(q, kv, idx, sink, scale, d_out=d_out)
     for name, a, b in zip(("out", "lse", "dq", "dkv", "dsink"), first, second):
-        assert a.tobytes() == b.tobytes(), f"{name} differs between two identical runs"
+        assert_bitwise(a, b, f"{name}, two identical runs")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -13,12 +13,14 @@
   ``reference.sparse_attention_with_sink`` (forward and autograd), including widths that need padding.
 - Bad inputs raise ValueError naming the tensor.
 
-fp32 tolerance table (relative to the largest entry of the reference; measured errors are ~1e-7..5e-7):
-- kernel vs float64 oracle: 1e-5. Logits are <= 64-term fp32 dots, the online softmax rescales the
-  running sums once per block of 16 slots, and gradients chain two such contractions plus one sum per
-  kv row in CSR order: each step is a few ulps (1.2e-7), far under 1e-5.
-- PyLayer vs Paddle reference (both fp32): 1e-5, the same argument for both sides; they are not bitwise
-  equal because the reference sums over the whole index row at once and the kernel in blocks.
+Tolerance: fp32 ``triton_sparse_attn`` (tests/helpers/tolerances.py; relative to the largest entry of the
+reference; measured errors are ~1e-7..5e-7):
+- kernel vs float64 oracle: logits are <= 64-term fp32 dots, the online softmax rescales the running sums
+  once per block of 16 slots, and gradients chain two such contractions plus one sum per kv row in CSR
+  order: each step is a few ulps (1.2e-7), far under the bound.
+- PyLayer vs Paddle reference (both fp32): the same argument for both sides; they are not bitwise equal
+  because the reference sums over the whole index row at once and the kernel in blocks.
+Every run counts the forward and backward kernels' launches.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import math
 import numpy as np
 import paddle
 import pytest
+from helpers import assert_bitwise, assert_close, expect_launches
 
 from fleet_ext import capability
 
@@ -38,8 +41,6 @@ from fleet_ext.ops import launch  # noqa: E402
 from fleet_ext.ops.sparse_attn import kernel  # noqa: E402
 from fleet_ext.ops.sparse_attn.function import sparse_attention_triton  # noqa: E402
 from fleet_ext.ops.sparse_attn.reference import sparse_attention_with_sink  # noqa: E402
-
-REL = 1e-5
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -99,21 +100,14 @@ def make_case(seed, num_t, heads, d_qk, d_v, n_kv, width, *, empty_rows=2, repea
     return q, kv, idx, sink, d_out, d_lse
 
 
-def assert_close(name, got, ref, rel=REL):
-    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
-    assert got.shape == ref.shape, (name, got.shape, ref.shape)
-    assert np.isfinite(got).all(), f"{name}: non-finite values"
-    err = np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30)
-    assert err <= rel, f"{name}: relative error {err:.2e} > {rel:.0e}"
-
-
 def run_kernels(q, kv, idx, sink, scale, d_v, d_out, d_lse, topk_length=None, derive_bound=True, **bwd_kw):
     t = [torch.from_numpy(np.ascontiguousarray(a)) for a in (q, kv, idx, sink, d_out, d_lse)]
     tl_t = None if topk_length is None else torch.from_numpy(topk_length)
-    out, lse = kernel.sparse_attn_fwd(t[0], t[1], t[2], t[3], scale, d_v=d_v, topk_length=tl_t,
-                                      derive_bound=derive_bound)
-    grads = kernel.sparse_attn_bwd(t[0], t[1], t[2], t[3], scale, out, lse, t[4], t[5], d_v=d_v,
-                                   topk_length=tl_t, derive_bound=derive_bound, **bwd_kw)
+    with expect_launches("_sparse_attn_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkv_reduce_kernel"):
+        out, lse = kernel.sparse_attn_fwd(t[0], t[1], t[2], t[3], scale, d_v=d_v, topk_length=tl_t,
+                                          derive_bound=derive_bound)
+        grads = kernel.sparse_attn_bwd(t[0], t[1], t[2], t[3], scale, out, lse, t[4], t[5], d_v=d_v,
+                                       topk_length=tl_t, derive_bound=derive_bound, **bwd_kw)
     return [x.numpy() for x in (out, lse, *grads)]
 
 
@@ -134,10 +128,10 @@ def test_kernels_match_float64_oracle(case):
     got = run_kernels(q, kv, idx, sink, scale, d_v, d_out, d_lse)
     ref = oracle(q, kv, idx, sink, scale, d_v, d_out, d_lse)
     for name, g, r in zip(("out", "lse", "dq", "dkv", "d_sink"), got, ref):
-        assert_close(f"{case}: {name}", g, r)
+        assert_close(g, r, "fp32", "triton_sparse_attn", what=f"{case}: {name}")
     # rows with every index -1: out exactly 0, lse = sink, dq exactly 0
     assert np.all(got[0][:2] == 0.0) and np.all(got[2][:2] == 0.0)
-    np.testing.assert_allclose(got[1][:2], np.broadcast_to(sink, (2, heads)), rtol=0, atol=1e-6)
+    assert_close(got[1][:2], np.broadcast_to(sink, (2, heads)), "fp32", "empty_row_lse", what="empty rows: lse")
     # kv rows nobody reads get exactly zero gradient
     unread = sorted(set(range(n_kv)) - {int(j) for j in idx.ravel() if 0 <= j < n_kv})
     assert np.all(got[3][unread] == 0.0)
@@ -152,7 +146,7 @@ def test_topk_length_and_chunked_backward():
     got = run_kernels(q, kv, idx, sink, scale, d_v, d_out, d_lse, topk_length, max_partial_bytes=1)
     ref = oracle(q, kv, idx, sink, scale, d_v, d_out, d_lse, topk_length)
     for name, g, r in zip(("out", "lse", "dq", "dkv", "d_sink"), got, ref):
-        assert_close(f"topk_length: {name}", g, r)
+        assert_close(g, r, "fp32", "triton_sparse_attn", what=f"topk_length: {name}")
 
 
 def test_backward_is_bitwise_deterministic():
@@ -160,7 +154,7 @@ def test_backward_is_bitwise_deterministic():
     first = run_kernels(q, kv, idx, sink, 0.2, 32, d_out, d_lse, max_partial_bytes=20000)
     second = run_kernels(q, kv, idx, sink, 0.2, 32, d_out, d_lse, max_partial_bytes=20000)
     for name, a, b in zip(("out", "lse", "dq", "dkv", "d_sink"), first, second):
-        assert a.tobytes() == b.tobytes(), f"{name} differs between two runs"
+        assert_bitwise(a, b, f"{name}, two runs")
 
 
 def _bound_case(seed, num_t=12, heads=5, d_qk=48, d_v=32, n_kv=9, width=45):
@@ -209,10 +203,10 @@ def test_derived_bound_is_byte_identical_and_exact(with_topk_length):
     assert launch.LAUNCH_COUNTS["_row_bound_kernel"] == before + 2, "forward and backward each derive the bound"
     full = run_kernels(q, kv, idx, sink, scale, 32, d_out, d_lse, derive_bound=False, **kw)
     for name, a, b in zip(("out", "lse", "dq", "dkv", "d_sink"), bounded, full):
-        assert a.tobytes() == b.tobytes(), f"{name}: the derived bound changed the result"
+        assert_bitwise(a, b, f"{name}: with vs without the derived bound")
     ref = oracle(q, kv, idx, sink, scale, 32, d_out, d_lse, topk_length)
     for name, g, r in zip(("out", "lse", "dq", "dkv", "d_sink"), bounded, ref):
-        assert_close(f"bound: {name}", g, r)
+        assert_close(g, r, "fp32", "triton_sparse_attn", what=f"bound: {name}")
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -260,7 +254,7 @@ def test_pylayer_matches_paddle_reference(bsz, seq, heads, dim, d_v, n_kv, width
     assert after[2] == before[2] + 1, "the trailing bound must be derived once (forward) and reused (backward)"
     ref = _paddle_run(sparse_attention_with_sink, q, kv, idx, sink, scale, d_v, w_out, w_lse)
     for name, g, r in zip(("out", "lse", "dq", "dkv", "d_sink"), got, ref):
-        assert_close(f"pylayer vs reference: {name}", g, r)
+        assert_close(g, r, "fp32", "triton_sparse_attn", what=f"pylayer vs reference: {name}")
 
 
 def test_pylayer_frozen_sink_and_unused_lse():
@@ -271,14 +265,15 @@ def test_pylayer_frozen_sink_and_unused_lse():
     idx = rng.integers(-1, 5, (2, 4, 6)).astype(np.int32)
     sink = paddle.to_tensor(rng.uniform(-1.0, 1.0, 3).astype(np.float32))  # stop_gradient=True
     grads = []
-    for fn in (sparse_attention_triton, sparse_attention_with_sink):
+    for fn, launches in ((sparse_attention_triton, None), (sparse_attention_with_sink, 0)):
         qt, kvt = paddle.to_tensor(q, stop_gradient=False), paddle.to_tensor(kv, stop_gradient=False)
-        out, _ = fn(qt, kvt, paddle.to_tensor(idx), sink, 0.2)
-        (out * out).sum().backward()
+        with expect_launches("_sparse_attn_fwd_kernel", "_bwd_dq_kernel", exactly=launches):
+            out, _ = fn(qt, kvt, paddle.to_tensor(idx), sink, 0.2)
+            (out * out).sum().backward()
         assert sink.grad is None
         grads.append((qt.grad.numpy(), kvt.grad.numpy()))
     for name, g, r in zip(("dq", "dkv"), grads[0], grads[1]):
-        assert_close(f"frozen sink: {name}", g, r)
+        assert_close(g, r, "fp32", "triton_sparse_attn", what=f"frozen sink: {name}")
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -1,33 +1,29 @@
 """VHA linear postmix O' = (I + V U^T) O over the head axis vs the float64 oracle (dsv4_math.md §5).
 
-Tolerances: identity at init is exact (1 * x + 0 * y is exact in fp32). Otherwise fp32 vs float64 over
-contractions of <= 8 heads of O(1) values: 1e-5. Gradients vs the analytic oracle dV = dM U, dU = dM^T V
-with dM = sum_tokens dO' O^T: 1e-5 of the largest entry.
+Tolerances (tests/helpers/tolerances.py, fp32): identity at init is exact (1 * x + 0 * y is exact in fp32).
+Otherwise fp32 vs float64 over contractions of <= 8 heads of O(1) values: ``oracle``. Gradients vs the
+analytic oracle dV = dM U, dU = dM^T V with dM = sum_tokens dO' O^T: ``oracle_grad`` (of the largest entry).
 """
 
 from __future__ import annotations
 
 import numpy as np
-import oracles as orc
 import paddle
 import pytest
+from helpers import assert_close, tiny_model
+from helpers import oracles as orc
 
 from fleet_ext.config import load_config
 from fleet_ext.layers.vha import VHAPostmix
 
-FP32_TOL = {"rtol": 1e-5, "atol": 1e-5}
 HEADS, GROUPS = 8, 2
 
 
 def make_config(grouped: bool, rank=None):
-    return load_config({
-        "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": HEADS, "q_lora_rank": 16,
-        "v_head_dim": 16, "qk_pos_emb_head_dim": 8, "csa_compress_ratios": [0, 4, 128], "csa_window_size": 8,
-        "o_groups": GROUPS, "o_lora_rank": 8, "dsa_index_n_heads": 2, "dsa_index_head_dim": 8, "dsa_index_topk": 3,
-        "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "moe_n_hash_layers": 1,
-        "original_max_position_embeddings": 64, "rotary_scaling_factor": 4.0, "use_vha_attention": True,
-        "vha_postmix_grouped": grouped, "vha_postmix_rank": rank,
-    }).model
+    return load_config(tiny_model(
+        num_hidden_layers=3, num_attention_heads=HEADS, csa_compress_ratios=[0, 4, 128], o_groups=GROUPS,
+        init_method_std=0.02, use_vha_attention=True, vha_postmix_grouped=grouped, vha_postmix_rank=rank,
+    )).model
 
 
 def o_input(seed=0, shape=(2, 3, HEADS, 16)):
@@ -59,7 +55,7 @@ def test_postmix_matches_oracle_off_zero(grouped, rank):
     got = layer(paddle.to_tensor(o)).numpy()
     groups = GROUPS if grouped else 1
     want = orc.vha_postmix(o, u, v, groups)
-    np.testing.assert_allclose(got, want, **FP32_TOL)
+    assert_close(got, want, "fp32", "oracle")
     assert np.abs(want - o).max() > 0.1, "the mix must move the output away from the identity"
     if grouped:  # block-diagonal: heads of group 0 never see heads of group 1
         o2 = o.copy()
@@ -97,7 +93,7 @@ def test_gradients_to_u_and_v(grouped):
     u0 = layer.vha_postmix_U.numpy()
     du, dv = _oracle_grads(o, g, u0, np.zeros_like(u0), groups)
     assert np.abs(layer.vha_postmix_V.grad.numpy()).max() > 0, "V must get gradient at init"
-    np.testing.assert_allclose(layer.vha_postmix_V.grad.numpy(), dv, rtol=0, atol=1e-5 * np.abs(dv).max())
+    assert_close(layer.vha_postmix_V.grad.numpy(), dv, "fp32", "oracle_grad", what="dV at init")
     assert np.all(layer.vha_postmix_U.grad.numpy() == 0.0), "dU = dM^T V must be exactly 0 while V = 0"
     np.testing.assert_array_equal(ot.grad.numpy(), g)
 
@@ -112,8 +108,8 @@ def test_gradients_to_u_and_v(grouped):
     du, dv = _oracle_grads(o, g, u, v, groups)
     got_du, got_dv = layer.vha_postmix_U.grad.numpy(), layer.vha_postmix_V.grad.numpy()
     assert np.abs(got_du).max() > 1e-3 and np.abs(got_dv).max() > 1e-3, "grads to U and V must be non-zero"
-    np.testing.assert_allclose(got_du, du, rtol=0, atol=1e-5 * np.abs(du).max(), err_msg="dU")
-    np.testing.assert_allclose(got_dv, dv, rtol=0, atol=1e-5 * np.abs(dv).max(), err_msg="dV")
+    assert_close(got_du, du, "fp32", "oracle_grad", what="dU")
+    assert_close(got_dv, dv, "fp32", "oracle_grad", what="dV")
     # dO = M^T dO'
     want_do = orc.vha_postmix(g, v, u, groups)  # (I + V U^T)^T = I + U V^T
-    np.testing.assert_allclose(ot.grad.numpy(), want_do, **FP32_TOL, err_msg="dO")
+    assert_close(ot.grad.numpy(), want_do, "fp32", "oracle", what="dO")
