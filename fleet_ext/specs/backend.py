@@ -62,13 +62,13 @@ class BackendProvider:
         if getattr(self.config.fusion, switch) == "unfused":
             self._rows.append(ResolvedSwitch(switch, "unfused", "reference (pure Paddle)", "gather-softmax with sink"))
             return reference
-        where = self._triton_target(switch, "triton")
+        where = self._triton_target()
         from fleet_ext.ops.sparse_attn.function import sparse_attention_triton
 
         self._rows.append(ResolvedSwitch(switch, "triton", where, f"switch on; {BACKEND_GUARANTEE}"))
         return functools.partial(sparse_attention_triton, remap=remap)
 
-    def _triton_target(self, switch: str, value: object) -> str:
+    def _triton_target(self) -> str:
         """Prepare Triton (``check_capability`` has vouched that it runs here) and say where the kernels run."""
         cap = self.capability
         capability.prepare_triton(interpreter=cap.interpreter)
@@ -79,7 +79,7 @@ class BackendProvider:
         if not getattr(self.config.fusion, switch):
             self._rows.append(ResolvedSwitch(switch, False, "reference (pure Paddle)", "switch off (default)"))
             return fusion.load("reference")
-        where = self._triton_target(switch, True)
+        where = self._triton_target()
         here = PLATFORMS["cpu_fp32" if self.capability.interpreter else "paddle_gpu"][0]
         self._rows.append(ResolvedSwitch(switch, True, where, f"switch on; {fusion.guarantee()}; here: {here}"))
         return fusion.load("fused")
