@@ -48,7 +48,11 @@ class Compressor(FleetLayer):
         self._rope = rope_apply
 
     def forward(self, x: paddle.Tensor, layout: SequenceLayout) -> paddle.Tensor:
-        """x [b, s_local, D] at the layout's positions -> entries [b, s_local // ratio, head_dim]."""
+        """x [b, s_local, D] at the layout's positions -> entries [b, s_local // ratio, head_dim].
+
+        On a sequence shard, an overlapping (CSA) compressor's first entry would also need the previous
+        rank's last block: context parallelism must hand it over (the layers refuse shards until then).
+        """
         batch, seq, _ = x.shape
         layout.check_input("Compressor", "x", seq)
         if layout.offset % self.ratio:

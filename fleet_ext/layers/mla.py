@@ -124,12 +124,9 @@ class MLASelfAttention(FleetLayer):
         return cos, sin
 
     def _project(self, hidden_states: paddle.Tensor, layout: SequenceLayout) -> tuple:
-        """q_latent, q_nope [b,s,h,n], roped q_pe [b,s,h,r], c_kv [b,s,L], roped k_pe [b,s,r], cos, sin."""
-        width = self.linear_q_down_proj.weight.shape[0]
-        if hidden_states.ndim != 3 or hidden_states.shape[-1] != width:
-            raise ValueError(
-                f"MLASelfAttention: `hidden_states` must be [b, s, {width}], got shape {hidden_states.shape}"
-            )
+        """q_latent, q_nope [b,s,h,n], roped q_pe [b,s,h,r], c_kv [b,s,L], roped k_pe [b,s,r], cos, sin.
+
+        ``hidden_states`` was checked against ``layout`` (``_layout``)."""
         batch, seq, _ = hidden_states.shape
         q_latent = self.q_layernorm(self.linear_q_down_proj(hidden_states))
         q = self.linear_q_up_proj(q_latent).reshape([batch, seq, self.heads, self.nope + self.rope_dim])
@@ -146,11 +143,15 @@ class MLASelfAttention(FleetLayer):
         weight = weight.transpose([1, 0, 2])
         return weight[:, :, : self.nope], weight[:, :, self.nope :]
 
-    @staticmethod
-    def _layout(hidden_states: paddle.Tensor, layout: SequenceLayout | None) -> SequenceLayout:
+    def _layout(self, hidden_states: paddle.Tensor, layout: SequenceLayout | None) -> SequenceLayout:
         """The given layout (checked against the input) or the whole sequence."""
-        seq = hidden_states.shape[1] if hidden_states.ndim == 3 else 0
-        layout = layout or SequenceLayout.whole(max(seq, 1))
+        width = self.linear_q_down_proj.weight.shape[0]
+        if hidden_states.ndim != 3 or hidden_states.shape[-1] != width:
+            raise ValueError(
+                f"MLASelfAttention: `hidden_states` must be [b, s, {width}], got shape {hidden_states.shape}"
+            )
+        seq = hidden_states.shape[1]
+        layout = layout or SequenceLayout.whole(seq)
         layout.check_input("MLASelfAttention", "hidden_states", seq)
         layout.require_whole("MLASelfAttention")
         return layout

@@ -100,7 +100,7 @@ class DSv4ForCausalLM(FleetLayer):
         """Gradient scale of every auxiliary loss (MoE aux loss, DSA indexer KL): the main loss's backward
         scale (Megatron's ``main_loss_backward_scale``). Held by each layer instance, not by a global."""
         for layer in self.sublayers():
-            if hasattr(layer, "set_aux_loss_backward_scale") and layer is not self:
+            if hasattr(layer, "set_aux_loss_backward_scale"):
                 layer.set_aux_loss_backward_scale(scale)
 
     def _check_ids(self, name: str, ids: paddle.Tensor | None, shape: list[int] | None = None) -> None:
