@@ -36,10 +36,12 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
-def _claim_cell(claim: Claim) -> str:
-    """``yes (test_fusion_rope.py, ...)``: the verdict and the files of the tests that earn it."""
-    files = dict.fromkeys(t.split("::", 1)[0].rsplit("/", 1)[-1] for t in claim.tests)
-    return claim.verdict + (f" ({', '.join(f'`{f}`' for f in files)})" if files else "")
+def _claim_cell(claim: Claim, where: str = "") -> str:
+    """``yes (test_fusion_rope.py, ...)``: the verdict and the files of the tests that earn it (and, for a
+    claim without a per-platform column, where those tests ran)."""
+    files = list(dict.fromkeys(t.split("::", 1)[0].rsplit("/", 1)[-1] for t in claim.tests))
+    notes = ([where] if where and claim.verdict == "yes" else []) + [f"`{f}`" for f in files]
+    return claim.verdict + (f" ({', '.join(notes)})" if notes else "")
 
 
 def fusion_table_markdown() -> str:
@@ -55,7 +57,7 @@ def fusion_table_markdown() -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for f in FUSIONS.values():
         cells = [f"`{f.switch}`", _cell(f.summary), *(_claim_cell(c) for _, c in f.bitwise.items()),
-                 _cell(f.tolerance or "-"), _claim_cell(f.cp_safe), _claim_cell(f.recompute_safe),
+                 _cell(f.tolerance or "-"), _claim_cell(f.cp_safe), _claim_cell(f.recompute_safe, "CPU fp32"),
                  "available" if f.landed else "not built yet (raises)"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join([*lines, "", _cell(CLAIMS_LEGEND).replace("claims: ", "Claims: ", 1) + "."])

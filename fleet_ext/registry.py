@@ -95,13 +95,15 @@ class BitwiseClaims:
 
 CLAIMS_LEGEND = (
     "claims: 'yes' = verified by the tests fleet_ext.registry names; 'no' = does not hold, the tolerance applies; "
-    "'untested' = no test yet (CP and recompute are not built); "
+    "'untested' = no test yet (context parallelism is not built); "
     + "; ".join(f"{label} = {what}" for label, what, _ in PLATFORMS.values())
 )
 
 
 # The layer-level test every CPU bitwise claim rests on (DESIGN.md rule 4); it covers each switch whose CPU claim
 # is "yes" and fails if one is missing from its switch sets.
+# Recompute leaves the loss and every gradient byte-equal with the switch on (full and selective policies).
+_RECOMPUTE = "tests/single_card_tests/test_recompute.py::test_tiny_model_is_bitwise_equal_under_recompute"
 _LAYER_BITWISE = (
     "tests/single_card_tests/test_fusion_layer_bitwise.py::test_attention_layer_is_bitwise_equal_with_the_fusion"
 )
@@ -118,7 +120,7 @@ class Fusion:
     bitwise: BitwiseClaims = BitwiseClaims()
     tolerance: str | None = None  # why not bitwise, and the bound the tests use
     cp_safe: Claim = Claim()  # earned by a CP test (none yet: context parallelism is not built)
-    recompute_safe: Claim = Claim()  # earned by a recompute test (none yet: recompute is not built)
+    recompute_safe: Claim = Claim()  # earned by a recompute test with the switch on (CPU fp32, the tests' platform)
     landed: bool = True
     config_gate: Callable[[Any], str | None] = _never
 
@@ -138,7 +140,8 @@ class Fusion:
             head = f"bitwise equal to the reference ({self.bitwise.text()})"
         else:
             head = f"not bitwise ({self.bitwise.text()}); tolerance: {self.tolerance or 'none documented'}"
-        return f"{head}; CP-safe: {self.cp_safe.verdict}; recompute-safe: {self.recompute_safe.verdict}"
+        recompute = self.recompute_safe.verdict + (" (CPU fp32)" if self.recompute_safe.verdict == YES else "")
+        return f"{head}; CP-safe: {self.cp_safe.verdict}; recompute-safe: {recompute}"
 
     def load(self, which: str) -> Callable:
         """Import the ``fused`` or ``reference`` callable."""
@@ -153,6 +156,7 @@ FUSIONS: dict[str, Fusion] = {
             switch="sparse_attn_global_kv_idx_remap_fusion",
             summary="per-batch-local -> flat-global KV index remap in one kernel (int64 math; an int32 table "
             "whose B*seqlen_kv would wrap raises instead)",
+            recompute_safe=_yes(_RECOMPUTE),
             fused="fleet_ext.ops.kv_idx_remap.function:local_to_global_flat",
             reference="fleet_ext.ops.kv_idx_remap.reference:local_to_global_flat",
             bitwise=BitwiseClaims(
@@ -164,6 +168,7 @@ FUSIONS: dict[str, Fusion] = {
         Fusion(
             switch="apply_rope_fusion",
             summary="partial interleaved RoPE (forward and inverse) on the trailing qk_pos_emb_head_dim channels",
+            recompute_safe=_yes(_RECOMPUTE),
             fused="fleet_ext.ops.rope.function:apply_partial_rope",
             reference="fleet_ext.ops.rope.reference:apply_partial_rope",
             bitwise=BitwiseClaims(
@@ -179,6 +184,7 @@ FUSIONS: dict[str, Fusion] = {
         Fusion(
             switch="fuse_inv_rope_into_vha_postmix",
             summary="inverse RoPE fused into the ungrouped VHA postmix (no full-width rotated intermediate)",
+            recompute_safe=_yes(_RECOMPUTE),
             fused="fleet_ext.ops.inv_rope_postmix.function:inv_rope_vha_postmix",
             reference="fleet_ext.ops.inv_rope_postmix.reference:inv_rope_vha_postmix",
             bitwise=BitwiseClaims(
@@ -198,6 +204,7 @@ FUSIONS: dict[str, Fusion] = {
         Fusion(
             switch="dsa_sink_grad_fusion",
             summary="attention-sink gradient d_sink = -sum p_sink * rowsum(dO o O), deterministic",
+            recompute_safe=_yes(_RECOMPUTE),
             fused="fleet_ext.ops.sink_grad.function:sparse_attention_fused_sink_grad",
             reference="fleet_ext.ops.sparse_attn.reference:sparse_attention_with_sink",
             bitwise=BitwiseClaims(
@@ -216,6 +223,7 @@ FUSIONS: dict[str, Fusion] = {
             switch="dsv4_q_rms_norm_fusion",
             summary="weightless per-head q RMS norm, forward and backward (on CPU the rsqrt stays Paddle's: "
             "its vectorised estimate is position-dependent)",
+            recompute_safe=_yes(_RECOMPUTE),
             fused="fleet_ext.ops.q_rms_norm.function:q_rms_norm",
             reference="fleet_ext.ops.q_rms_norm.reference:q_rms_norm",
             bitwise=BitwiseClaims(

@@ -15,7 +15,7 @@ module          holds
 ``model``       ``ModelConfig``: attention kinds, shapes, RoPE, indexers, mHC
 ``moe``         ``MoEConfig``
 ``parallel``    ``ParallelConfig``
-``recompute``   ``RecomputeConfig``
+``recompute``   ``RecomputeConfig``, ``RecomputePlan``, ``recompute_plan``
 ``checkpoint``  ``CheckpointConfig``
 ``fusion``      ``FusionConfig``
 ``training``    ``TrainingConfig``
@@ -32,7 +32,7 @@ from fleet_ext.config.model import ModelConfig
 from fleet_ext.config.moe import MoEConfig
 from fleet_ext.config.names import PADDLEFLEET_ONLY_KEYS, RENAMED_KEYS
 from fleet_ext.config.parallel import ParallelConfig
-from fleet_ext.config.recompute import RecomputeConfig
+from fleet_ext.config.recompute import RECOMPUTE_MODULES, RecomputeConfig, RecomputePlan, module_layers, recompute_plan
 from fleet_ext.config.training import LR_SCHEDULER_TYPES, RESUME_AUTO, TrainingConfig
 from fleet_ext.config.tree import KEY_TO_SECTION, SECTIONS, FleetExtConfig, config_key_table, load_config
 
@@ -49,10 +49,14 @@ __all__ = [
     "PADDLEFLEET_ONLY_KEYS",
     "ParallelConfig",
     "RENAMED_KEYS",
+    "RECOMPUTE_MODULES",
     "RESUME_AUTO",
     "RecomputeConfig",
+    "RecomputePlan",
     "SECTIONS",
     "TrainingConfig",
     "config_key_table",
     "load_config",
+    "module_layers",
+    "recompute_plan",
 ]

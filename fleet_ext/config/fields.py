@@ -129,6 +129,27 @@ def _to_float(key: str, value: Any) -> float:
     fail(key, value, "a number", f"write `{key}` as a finite number, e.g. 1.0e-6")
 
 
+def _containers(annotation: Any) -> tuple[type, ...]:
+    """The container types of a union such as ``list | dict | None`` (empty for any other annotation)."""
+    args = tuple(a for a in typing.get_args(annotation) if a is not type(None))
+    if len(args) < 2 or typing.get_origin(annotation) in (list, dict):
+        return ()
+    bare = tuple(typing.get_origin(a) or a for a in args)
+    if not set(bare) <= {list, dict}:
+        raise TypeError(f"config key annotation {annotation!r}: a union may only combine list and dict")
+    return bare
+
+
+def _coerce_container(key: str, value: Any, containers: tuple[type, ...]) -> Any:
+    """A YAML list (a tuple becomes a list) or mapping (copied), where the key's union allows it."""
+    if list in containers and isinstance(value, (list, tuple)):
+        return list(value)
+    if dict in containers and isinstance(value, dict):
+        return dict(value)
+    words = " or ".join("a list" if c is list else "a mapping" for c in containers)
+    fail(key, value, words, f"write `{key}` as {words.replace('a ', 'a YAML ')}")
+
+
 def coerce(key: str, value: Any, annotation: Any) -> Any:
     """Coerce a YAML scalar to the declared type; raise naming the key otherwise."""
     base, optional = _split_optional(annotation)
@@ -136,6 +157,9 @@ def coerce(key: str, value: Any, annotation: Any) -> Any:
         if optional:
             return None
         fail(key, value, f"a value of type {getattr(base, '__name__', base)}", f"give `{key}` a value")
+    containers = _containers(annotation)
+    if containers:
+        return _coerce_container(key, value, containers)
     if base is bool:
         if isinstance(value, bool):
             return value

@@ -24,7 +24,7 @@ from fleet_ext.config.model import ModelConfig
 from fleet_ext.config.moe import MoEConfig
 from fleet_ext.config.names import PADDLEFLEET_ONLY_KEYS, RENAMED_KEYS, absent_key_message, renamed_key_message
 from fleet_ext.config.parallel import ParallelConfig
-from fleet_ext.config.recompute import RecomputeConfig
+from fleet_ext.config.recompute import RecomputeConfig, recompute_plan
 from fleet_ext.config.training import TrainingConfig
 
 __all__ = ["KEY_TO_SECTION", "SECTIONS", "FleetExtConfig", "config_key_table", "load_config"]
@@ -102,6 +102,8 @@ class FleetExtConfig:
                 f"<= max_position_embeddings ({m.max_position_embeddings})",
                 "shorten the sequences or raise max_position_embeddings",
             )
+
+        recompute_plan(self)  # recompute against the model: layer counts, which layers have each module
 
         from fleet_ext.registry import config_errors  # no Paddle import; registry reads this config duck-typed
 

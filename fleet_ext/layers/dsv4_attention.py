@@ -18,15 +18,24 @@ from fleet_ext.layers.norm import RMSNorm
 from fleet_ext.layers.rope import RotaryTable
 from fleet_ext.layers.vha import VHAPostmix
 from fleet_ext.parallel.layout import SequenceLayout
+from fleet_ext.parallel.recompute import maybe_checkpointed
 
 
 class DSv4HybridSelfAttention(FleetLayer):
     """[b, s, D] -> [b, s, D] for one layer whose kind is ``layer_attention(config.model, layer_number)``."""
 
-    def __init__(self, config: FleetExtConfig, layer_number: int, ops: AttentionOps) -> None:
+    def __init__(
+        self,
+        config: FleetExtConfig,
+        layer_number: int,
+        ops: AttentionOps,
+        recompute_modules: frozenset[str] = frozenset(),
+    ) -> None:
         super().__init__()
         m = config.model
         self.layer_number = layer_number
+        self.recompute_core = "core_attn" in recompute_modules
+        self.recompute_postmix = "vha_postmix" in recompute_modules
         attention = layer_attention(m, layer_number)
         self.kind = attention.kind
         self.heads, self.head_dim = m.num_attention_heads, m.v_head_dim
@@ -76,14 +85,18 @@ class DSv4HybridSelfAttention(FleetLayer):
         cos, sin = self.rope_table.cos_sin(layout.positions())
         q = self.ops.rope(q, cos, sin)
         kv = self.ops.rope(kv, cos, sin)
-        out = self.core_attention(q, kv, hidden_states, q_latent, layout)
+        out = maybe_checkpointed(self.recompute_core, self.core_attention, q, kv, hidden_states, q_latent, layout)
         if self._fuse_postmix:
-            out = self.ops.inv_rope_postmix(out, cos, sin, self.postmix.mixing_matrix())
+            out = maybe_checkpointed(self.recompute_postmix, self._inv_rope_postmix, out, cos, sin)
         else:
             out = self.ops.rope(out, cos, sin, inverse=True)
             if self.postmix is not None:
-                out = self.postmix(out)  # grouped (block-diagonal) postmix
+                out = maybe_checkpointed(self.recompute_postmix, self.postmix, out)  # grouped postmix
         return self.o_proj(self._grouped_out_proj(out))
+
+    def _inv_rope_postmix(self, out: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor) -> paddle.Tensor:
+        """Inverse RoPE + ungrouped postmix ``M @ O`` as one op slot (fused when the switch is on)."""
+        return self.ops.inv_rope_postmix(out, cos, sin, self.postmix.mixing_matrix())
 
     def _grouped_out_proj(self, out: paddle.Tensor) -> paddle.Tensor:
         """[b, s, h, d] -> [b, s, G * r]: each group of heads through its own [r, h*d/G] block."""

@@ -24,6 +24,7 @@ from fleet_ext.layers import index_tables
 from fleet_ext.layers.compressor import Compressor
 from fleet_ext.layers.csa_indexer import CSAIndexer
 from fleet_ext.parallel.layout import SequenceLayout
+from fleet_ext.parallel.recompute import replayed
 
 
 class CompressedSparseAttention(FleetLayer):
@@ -61,7 +62,8 @@ class CompressedSparseAttention(FleetLayer):
             return window
         raw_keys = layout.global_len  # kv_full rows in front of the compressed entries
         if self.indexer is not None:
-            picked = self.indexer(x, q_latent, layout)
+            # Recompute replays the forward's picks: the backward uses the forward's exact support.
+            picked, _ = replayed("CSAIndexer", lambda: self.indexer(x, q_latent, layout))
             compressed = index_tables.compressed_topk_to_kv_full(picked, offset=raw_keys)
         else:
             table = index_tables.all_compressed_index_table(layout, self.ratio, raw_keys)

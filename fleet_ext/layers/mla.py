@@ -31,6 +31,7 @@ from fleet_ext.layers.mqa_latent_attention import MQALatentAttention
 from fleet_ext.layers.norm import RMSNorm
 from fleet_ext.layers.rope import RotaryTable
 from fleet_ext.parallel.layout import SequenceLayout
+from fleet_ext.parallel.recompute import maybe_checkpointed
 
 __all__ = ["MLASelfAttention", "hybrid_mla_rope"]
 
@@ -66,10 +67,18 @@ def hybrid_mla_rope(config: ModelConfig, spec: RopeSpec) -> tuple[RotaryTable, f
 class MLASelfAttention(FleetLayer):
     """[b, s, D] -> [b, s, D] for one -2 layer."""
 
-    def __init__(self, config: FleetExtConfig, layer_number: int, ops: AttentionOps) -> None:
+    def __init__(
+        self,
+        config: FleetExtConfig,
+        layer_number: int,
+        ops: AttentionOps,
+        recompute_modules: frozenset[str] = frozenset(),
+    ) -> None:
         super().__init__()
         m = config.model
         self.layer_number = layer_number
+        self.recompute_core = "core_attn" in recompute_modules
+        self.recompute_up_proj = "mla_up_proj" in recompute_modules
         self.mode = m.hybrid_mla_attention
         self.heads = m.hybrid_mla_num_attention_heads
         self.kv_lora_rank = m.hybrid_mla_kv_lora_rank
@@ -178,23 +187,33 @@ class MLASelfAttention(FleetLayer):
         batch, seq = hidden_states.shape[0], hidden_states.shape[1]
         q_latent, q_nope, q_pe, c_kv, k_pe, cos, sin = self._project(hidden_states, layout)
         if self.core_attention is None:
-            out = self._dense_mla(q_nope, q_pe, c_kv, k_pe, layout)
+            out = maybe_checkpointed(self.recompute_core, self._dense_mla, q_nope, q_pe, c_kv, k_pe, layout)
         else:
-            w_uk, w_uv = self._up_proj_weights()
-            # Absorb: q_nope [h, bs, n] @ W_UK^T [h, n, L] -> [h, bs, L].
-            q_heads = q_nope.transpose([2, 0, 1, 3]).reshape([self.heads, batch * seq, self.nope])
-            q_abs = paddle.matmul(q_heads, w_uk.astype(q_heads.dtype), transpose_y=True)
-            q_abs = q_abs.reshape([self.heads, batch, seq, self.kv_lora_rank]).transpose([1, 2, 0, 3])
-            query = paddle.concat([q_abs, q_pe.astype(q_abs.dtype)], axis=-1)
+            query = maybe_checkpointed(self.recompute_up_proj, self._absorb, q_nope, q_pe)
             key = paddle.concat([c_kv, k_pe.astype(c_kv.dtype)], axis=-1)
-            latent = self.core_attention(
-                query, key, self._sink(), hidden_states, q_latent, cos, sin, loss_mask, layout=layout
+            latent = maybe_checkpointed(
+                self.recompute_core, self.core_attention,
+                query, key, self._sink(), hidden_states, q_latent, cos, sin, loss_mask, layout,
             )
-            # De-absorb: latent [h, bs, L] @ W_UV [h, L, v] -> [h, bs, v].
-            latent = latent.transpose([2, 0, 1, 3]).reshape([self.heads, batch * seq, self.kv_lora_rank])
-            out = paddle.matmul(latent, w_uv.astype(latent.dtype))
-            out = out.reshape([self.heads, batch, seq, self.v_dim]).transpose([1, 2, 0, 3])
+            out = maybe_checkpointed(self.recompute_up_proj, self._deabsorb, latent)
         return self.o_proj(out.reshape([batch, seq, self.heads * self.v_dim]))
+
+    def _absorb(self, q_nope: paddle.Tensor, q_pe: paddle.Tensor) -> paddle.Tensor:
+        """Latent-MQA query ``[q_nope W_UK | q_pe]`` [b, s, h, L + r]: q_nope [h, bs, n] @ W_UK^T [h, n, L]."""
+        batch, seq = q_nope.shape[0], q_nope.shape[1]
+        w_uk, _ = self._up_proj_weights()
+        q_heads = q_nope.transpose([2, 0, 1, 3]).reshape([self.heads, batch * seq, self.nope])
+        q_abs = paddle.matmul(q_heads, w_uk.astype(q_heads.dtype), transpose_y=True)
+        q_abs = q_abs.reshape([self.heads, batch, seq, self.kv_lora_rank]).transpose([1, 2, 0, 3])
+        return paddle.concat([q_abs, q_pe.astype(q_abs.dtype)], axis=-1)
+
+    def _deabsorb(self, latent: paddle.Tensor) -> paddle.Tensor:
+        """Per-head values [b, s, h, v] from the latent output: latent [h, bs, L] @ W_UV [h, L, v]."""
+        batch, seq = latent.shape[0], latent.shape[1]
+        _, w_uv = self._up_proj_weights()
+        latent = latent.transpose([2, 0, 1, 3]).reshape([self.heads, batch * seq, self.kv_lora_rank])
+        out = paddle.matmul(latent, w_uv.astype(latent.dtype))
+        return out.reshape([self.heads, batch, seq, self.v_dim]).transpose([1, 2, 0, 3])
 
     def _dense_mla(self, q_nope, q_pe, c_kv, k_pe, layout: SequenceLayout) -> paddle.Tensor:
         """Reference causal MLA with per-head keys and values: [b, s, h, v]."""

@@ -21,6 +21,7 @@ from paddle.autograd import PyLayer
 
 from fleet_ext.framework.layer import FleetLayer
 from fleet_ext.layers.mlp import SwiGLUMLP, check_hidden, clamped_swiglu
+from fleet_ext.parallel.recompute import maybe_checkpointed, recording, replayed
 
 __all__ = [
     "SCORING_FUNCS",
@@ -174,18 +175,26 @@ class TopKRouter(_RouterBase):
         """[b, s, D] -> (weights [b*s, k] fp32, indices [b*s, k] int64); ``input_ids`` is ignored."""
         self._check_hidden(hidden_states)
         scores = self._scores(hidden_states)
-        with paddle.no_grad():
-            biased = scores if self.expert_bias is None else scores + self.expert_bias
-            _, indices = paddle.topk(biased, self.topk, axis=-1)
+        # Under recompute the re-run replays the forward's experts (routing replay); weights stay
+        # differentiable functions of the recomputed scores; counts and the logged aux loss happen once.
+        indices, first = replayed("TopKRouter", lambda: self._select(scores))
         weights = gather_routing_weights(scores, indices, self.norm_topk_prob, self.routed_scaling_factor)
-        self._count(indices)
-        self.aux_loss = None
+        if first:
+            self._count(indices)
+            self.aux_loss = None
         if self.load_balancing_type == "seq_aux_loss" and self.training and paddle.is_grad_enabled():
             batch, seq = hidden_states.shape[0], hidden_states.shape[1]
             aux_loss = sequence_aux_loss(scores, indices, batch, seq, self.aux_loss_coeff)
             weights = MoEAuxLossAutoScaler.apply(weights, aux_loss, self.aux_loss_backward_scale)
-            self.aux_loss = aux_loss.detach()
+            if first:
+                self.aux_loss = aux_loss.detach()
         return weights, indices
+
+    def _select(self, scores: paddle.Tensor) -> paddle.Tensor:
+        """Top-k experts per token by biased score (the bias steers selection only)."""
+        with paddle.no_grad():
+            biased = scores if self.expert_bias is None else scores + self.expert_bias
+            return paddle.topk(biased, self.topk, axis=-1)[1]
 
     def update_expert_bias(self, tokens_per_expert: paddle.Tensor | None = None) -> None:
         """``b_e -= rate * sign(load_e - mean load)``, from the given counts or the accumulated ones.
@@ -224,7 +233,8 @@ class HashRouter(_RouterBase):
         scores = self._scores(hidden_states)
         indices = paddle.gather(self.tid2eid, input_ids.reshape([-1]).astype("int64"), axis=0)
         weights = gather_routing_weights(scores, indices, self.norm_topk_prob, self.routed_scaling_factor)
-        self._count(indices)
+        if recording():  # once per step, not again when a recomputed segment re-runs
+            self._count(indices)
         return weights, indices
 
 
@@ -252,9 +262,10 @@ class GroupedExperts(FleetLayer):
     scatter-added back to its token.
     """
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, recompute_activation: bool = False) -> None:
         super().__init__()
         moe, model = config.moe, config.model
+        self.recompute_activation = recompute_activation  # selective recompute `moe_act`: the SwiGLU only
         self.num_experts = moe.n_routed_experts
         self.hidden_size = model.hidden_size
         self.ffn_hidden_size = moe.moe_intermediate_size
@@ -282,7 +293,8 @@ class GroupedExperts(FleetLayer):
         for expert, n in enumerate(counts):
             if n == 0:
                 continue
-            h = clamped_swiglu(paddle.matmul(x_sorted[start : start + n], self.weight1[expert]), self.limit)
+            gate_up = paddle.matmul(x_sorted[start : start + n], self.weight1[expert])
+            h = maybe_checkpointed(self.recompute_activation, clamped_swiglu, gate_up, self.limit)
             outs.append(paddle.matmul(h, self.weight2[expert]))
             start += n
         return paddle.concat(outs, axis=0)
@@ -327,7 +339,7 @@ class MoELayer(FleetLayer):
     routed and need ``input_ids``.
     """
 
-    def __init__(self, config: Any, layer_number: int) -> None:
+    def __init__(self, config: Any, layer_number: int, recompute_modules: frozenset[str] = frozenset()) -> None:
         super().__init__()
         moe, model = config.moe, config.model
         if not isinstance(layer_number, int) or not 0 <= layer_number < model.num_hidden_layers:
@@ -345,7 +357,8 @@ class MoELayer(FleetLayer):
         self.is_hash = layer_number < moe.moe_n_hash_layers
         router_cls = HashRouter if self.is_hash else TopKRouter
         self.router = router_cls(config, layer_number)
-        self.experts = GroupedExperts(config)
+        self.recompute_experts = "moe" in recompute_modules
+        self.experts = GroupedExperts(config, recompute_activation="moe_act" in recompute_modules)
         self.shared_experts = None
         if moe.n_shared_experts > 0:
             ffn = moe.n_shared_experts * moe.moe_intermediate_size
@@ -358,7 +371,8 @@ class MoELayer(FleetLayer):
         batch, seq = hidden_states.shape[0], hidden_states.shape[1]
         weights, indices = self.router(hidden_states, input_ids)
         flat = hidden_states.reshape([-1, self.hidden_size])
-        out = self.experts(flat, indices, weights).reshape([batch, seq, self.hidden_size])
+        out = maybe_checkpointed(self.recompute_experts, self.experts, flat, indices, weights)
+        out = out.reshape([batch, seq, self.hidden_size])
         if self.shared_experts is not None:
             out = out + self.shared_experts(hidden_states)
         return out

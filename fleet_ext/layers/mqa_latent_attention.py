@@ -34,6 +34,7 @@ from fleet_ext.layers.dsa_indexer import (
     indexer_kl_loss,
 )
 from fleet_ext.parallel.layout import SequenceLayout
+from fleet_ext.parallel.recompute import recording, replayed
 
 
 class MQALatentAttention(FleetLayer):
@@ -72,9 +73,12 @@ class MQALatentAttention(FleetLayer):
         """Sparse-phase KV table [b, s, k_top + W] (int32, -1 invalid) and k_top, without gradient."""
         if self.indexer is None:
             raise ValueError("MQALatentAttention.select: this layer has no indexer (hybrid_mla_attention != mqa_dsa)")
-        with paddle.no_grad():
-            scores = DSAIndexer.scores(*self.indexer(x, q_latent, cos, sin))
-            return dsa_index_table(scores, self.topk, self.window, layout)
+        def pick() -> tuple[paddle.Tensor, int]:
+            with paddle.no_grad():
+                scores = DSAIndexer.scores(*self.indexer(x, q_latent, cos, sin))
+                return dsa_index_table(scores, self.topk, self.window, layout)
+
+        return replayed("DSAIndexer", pick)[0]  # recompute replays the forward's top-k
 
     @staticmethod
     def _full_causal_table(batch: int, layout: SequenceLayout) -> paddle.Tensor:
@@ -105,7 +109,8 @@ class MQALatentAttention(FleetLayer):
             raise ValueError(f"MQALatentAttention: `loss_mask` must be [{batch}, {seq}], got {loss_mask.shape}")
         layout = layout or SequenceLayout.whole(seq)
         layout.check_input("MQALatentAttention", "query", seq)
-        self.indexer_loss = None
+        if recording():
+            self.indexer_loss = None
         with_loss = self.indexer is not None and self.loss_coeff > 0 and self.training and paddle.is_grad_enabled()
         if self.phase == "sparse":
             return self._forward_sparse(query, key, sink, x, q_latent, cos, sin, layout, loss_mask, with_loss)
@@ -131,7 +136,9 @@ class MQALatentAttention(FleetLayer):
             return out
         q_i, k_i, w_i = self.indexer(x, q_latent, cos, sin)
         with paddle.no_grad():
-            idx, k_top = dsa_index_table(DSAIndexer.scores(q_i, k_i, w_i), self.topk, self.window, layout)
+            idx, k_top = replayed(
+                "DSAIndexer", lambda: dsa_index_table(DSAIndexer.scores(q_i, k_i, w_i), self.topk, self.window, layout)
+            )[0]
         out, lse = self._sparse_attn(query, key, idx, sink, self.scale, d_v=self.kv_lora_rank)
         if k_top == 0:  # the forced window covers every key: the indexer chose nothing
             return out
@@ -144,5 +151,6 @@ class MQALatentAttention(FleetLayer):
 
     def _attach(self, out, student, attn_logits, lse, valid, loss_mask) -> paddle.Tensor:
         kl = indexer_kl_loss(student, attn_logits, lse, valid, loss_mask)
-        self.indexer_loss = kl.detach()
+        if recording():  # the logged value is the forward's, not set again by a recompute re-run
+            self.indexer_loss = kl.detach()
         return DSAIndexerLossAutoScaler.apply(out, kl * self.loss_coeff, self.loss_backward_scale)

@@ -7,12 +7,13 @@ from typing import Any
 
 import paddle
 
-from fleet_ext.config import FleetExtConfig, load_config
+from fleet_ext.config import FleetExtConfig, load_config, recompute_plan
 from fleet_ext.framework.layer import FleetLayer
 from fleet_ext.framework.spec import build_layer
 from fleet_ext.layers.mhc import HyperHead
 from fleet_ext.layers.norm import RMSNorm
 from fleet_ext.parallel.layout import SequenceLayout
+from fleet_ext.parallel.recompute import checkpointed
 from fleet_ext.specs.backend import BackendProvider
 from fleet_ext.specs.layer_specs import decoder_layer_spec
 
@@ -38,6 +39,11 @@ class DSv4ForCausalLM(FleetLayer):
         self.layers = paddle.nn.LayerList(
             [build_layer(decoder_layer_spec(config, i, self.backend), config) for i in range(m.num_hidden_layers)]
         )
+        # Full recompute: chunks of layers re-run in the backward; every other layer is its own chunk.
+        self._recompute_chunks = frozenset(recompute_plan(config).chunks)
+        covered = {i for chunk in self._recompute_chunks for i in chunk}
+        singles = [(i,) for i in range(m.num_hidden_layers) if i not in covered]
+        self._layer_chunks = sorted([*self._recompute_chunks, *singles])
         self.mhc_head = HyperHead(m) if m.enable_hyper_connections else None
         self.final_layernorm = RMSNorm(m.hidden_size, m.rms_norm_eps)
         self.output_layer = (
@@ -112,6 +118,13 @@ class DSv4ForCausalLM(FleetLayer):
         if shape is not None and list(ids.shape) != shape:
             raise ValueError(f"DSv4ForCausalLM: `{name}` must have the shape of `input_ids` {shape}, got {ids.shape}")
 
+    def _run_layers(
+        self, hidden: paddle.Tensor, input_ids: paddle.Tensor, layout: SequenceLayout, chunk: tuple[int, ...]
+    ) -> paddle.Tensor:
+        for index in chunk:
+            hidden = self.layers[index](hidden, input_ids=input_ids, layout=layout)
+        return hidden
+
     def sequence_layout(self, seq_len: int) -> SequenceLayout:
         """The positions this rank's ``seq_len`` tokens hold, built once per forward and handed to every layer.
 
@@ -132,8 +145,11 @@ class DSv4ForCausalLM(FleetLayer):
             streams = self.config.model.num_residual_streams
             hidden = hidden.unsqueeze(2).expand([*hidden.shape[:2], streams, hidden.shape[-1]])
         layout = self.sequence_layout(input_ids.shape[1])
-        for layer in self.layers:
-            hidden = layer(hidden, input_ids=input_ids, layout=layout)
+        for chunk in self._layer_chunks:
+            if chunk in self._recompute_chunks:  # full recompute: keep the chunk's input only
+                hidden = checkpointed(self._run_layers, hidden, input_ids, layout, chunk)
+            else:
+                hidden = self._run_layers(hidden, input_ids, layout, chunk)
         if self.mhc_head is not None:
             hidden = self.mhc_head(hidden)
         hidden = self.final_layernorm(hidden)

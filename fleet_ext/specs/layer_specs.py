@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from fleet_ext.config import FleetExtConfig
+from fleet_ext.config import FleetExtConfig, recompute_plan
 from fleet_ext.framework.spec import LayerSpec
 from fleet_ext.layer_kinds import LayerKind, layer_attention
 from fleet_ext.specs.backend import BackendProvider
 
 
-def mlp_spec(config: FleetExtConfig, layer_number: int) -> LayerSpec:
+def mlp_spec(config: FleetExtConfig, layer_number: int, recompute: frozenset[str] = frozenset()) -> LayerSpec:
     """Dense SwiGLU for the first ``first_k_dense_replace`` layers, DeepSeekMoE otherwise."""
     from fleet_ext.layers.mlp import SwiGLUMLP
     from fleet_ext.layers.moe import MoELayer
@@ -16,11 +16,12 @@ def mlp_spec(config: FleetExtConfig, layer_number: int) -> LayerSpec:
     if layer_number < config.moe.first_k_dense_replace:
         width = {"hidden_size": config.model.hidden_size, "ffn_hidden_size": config.moe.intermediate_size}
         return LayerSpec(SwiGLUMLP, params=width)
-    return LayerSpec(MoELayer, params={"layer_number": layer_number})
+    return LayerSpec(MoELayer, params={"layer_number": layer_number, "recompute_modules": recompute})
 
 
 def decoder_layer_spec(config: FleetExtConfig, layer_number: int, backend: BackendProvider) -> LayerSpec:
-    """The TransformerLayer spec for one layer; the attention kind comes from csa_compress_ratios."""
+    """The TransformerLayer spec for one layer; the attention kind comes from csa_compress_ratios, the
+    selective-recompute modules of this layer from the recompute plan (decided here, once)."""
     from fleet_ext.layers.dsv4_attention import DSv4HybridSelfAttention
     from fleet_ext.specs.transformer_layer import TransformerLayer
 
@@ -30,9 +31,13 @@ def decoder_layer_spec(config: FleetExtConfig, layer_number: int, backend: Backe
         from fleet_ext.layers.mla import MLASelfAttention
 
         attention_cls = MLASelfAttention
-    attention = LayerSpec(attention_cls, params={"layer_number": layer_number, "ops": backend.attention_ops})
+    recompute = recompute_plan(config).modules.get(layer_number, frozenset())
+    attention = LayerSpec(
+        attention_cls,
+        params={"layer_number": layer_number, "ops": backend.attention_ops, "recompute_modules": recompute},
+    )
     return LayerSpec(
         TransformerLayer,
-        params={"layer_number": layer_number},
-        sublayers={"self_attention": attention, "mlp": mlp_spec(config, layer_number)},
+        params={"layer_number": layer_number, "recompute_modules": recompute},
+        sublayers={"self_attention": attention, "mlp": mlp_spec(config, layer_number, recompute)},
     )

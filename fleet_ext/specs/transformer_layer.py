@@ -12,6 +12,7 @@ from fleet_ext.framework.spec import LayerSpec, build_layer
 from fleet_ext.layers.mhc import HyperConnection, hyper_combine
 from fleet_ext.layers.norm import RMSNorm
 from fleet_ext.parallel.layout import SequenceLayout
+from fleet_ext.parallel.recompute import maybe_checkpointed
 
 
 class TransformerLayer(FleetLayer):
@@ -20,10 +21,18 @@ class TransformerLayer(FleetLayer):
     With mHC the hidden state is [b, s, n, D] (n residual streams); otherwise [b, s, D].
     """
 
-    def __init__(self, config: FleetExtConfig, layer_number: int, sublayers: dict[str, LayerSpec]) -> None:
+    def __init__(
+        self,
+        config: FleetExtConfig,
+        layer_number: int,
+        sublayers: dict[str, LayerSpec],
+        recompute_modules: frozenset[str] = frozenset(),
+    ) -> None:
         super().__init__()
         m = config.model
         self.layer_number = layer_number
+        self.recompute_attention = "full_attn" in recompute_modules
+        self.recompute_mhc = "mhc" in recompute_modules
         self.use_mhc = m.enable_hyper_connections
         self.input_layernorm = RMSNorm(m.hidden_size, m.rms_norm_eps)
         self.self_attention = build_layer(sublayers["self_attention"], config)
@@ -55,11 +64,16 @@ class TransformerLayer(FleetLayer):
     ) -> paddle.Tensor:
         """``layout``: the global positions this rank's tokens hold (the model builds it once per forward)."""
         if not self.use_mhc:
-            hidden_states = hidden_states + self._attention(self.input_layernorm(hidden_states), input_ids, layout)
+            attn_out = maybe_checkpointed(
+                self.recompute_attention, self._attention, self.input_layernorm(hidden_states), input_ids, layout
+            )
+            hidden_states = hidden_states + attn_out
             return hidden_states + self._mlp(self.pre_mlp_layernorm(hidden_states), input_ids)
-        post, comb, collapsed = self.mhc_attn(hidden_states)
-        attn_out = self._attention(self.input_layernorm(collapsed), input_ids, layout)
-        hidden_states = hyper_combine(hidden_states, attn_out, post, comb)
-        post, comb, collapsed = self.mhc_mlp(hidden_states)
+        post, comb, collapsed = maybe_checkpointed(self.recompute_mhc, self.mhc_attn, hidden_states)
+        attn_out = maybe_checkpointed(
+            self.recompute_attention, self._attention, self.input_layernorm(collapsed), input_ids, layout
+        )
+        hidden_states = maybe_checkpointed(self.recompute_mhc, hyper_combine, hidden_states, attn_out, post, comb)
+        post, comb, collapsed = maybe_checkpointed(self.recompute_mhc, self.mhc_mlp, hidden_states)
         mlp_out = self._mlp(self.pre_mlp_layernorm(collapsed), input_ids)
-        return hyper_combine(hidden_states, mlp_out, post, comb)
+        return maybe_checkpointed(self.recompute_mhc, hyper_combine, hidden_states, mlp_out, post, comb)

@@ -136,7 +136,7 @@ def test_paddlefleet_only_keys_raise_remove_it(key):
         ({"moe_n_hash_layers": 5}, r"`moe_n_hash_layers` = 5.*<= num_hidden_layers"),
         ({"first_k_dense_replace": 1}, r"`first_k_dense_replace` = 1.*0 when moe_n_hash_layers > 0"),
         ({"swiglu_limit": -1.0}, r"`swiglu_limit`"),
-        ({"recompute_granularity": "full"}, r"`recompute_granularity` = 'full': activation recompute is not supported"),
+        ({"recompute_granularity": "full"}, r"`recompute_method` = None is invalid: allowed 'uniform' or 'block'"),
         ({"recompute_method": "uniform"}, r"`recompute_method`.*null while recompute_granularity is null"),
         ({"save_checkpoint_format": "pickle"}, r"`save_checkpoint_format` = 'pickle'.*flex_checkpoint"),
         ({"use_fused_mhc": True}, r"`use_fused_mhc` = True can never run: this fused kernel is not supported yet"),
@@ -251,6 +251,14 @@ def test_config_only_rules_fail_at_load_config():
         load_config(TINY, beta_slow=40.0)
 
 
+_RECOMPUTE_NEEDS = {  # the keys a recompute choice requires alongside it
+    "full": {"recompute_method": "uniform", "recompute_num_layers": 1},
+    "selective": {"recompute_modules": ["core_attn"]},
+    "uniform": {"recompute_granularity": "full", "recompute_num_layers": 1},
+    "block": {"recompute_granularity": "full", "recompute_num_layers": 1},
+}
+
+
 def test_every_offered_choice_loads():
     """A key's choices (printed in the README) offer only what validation accepts."""
     base = {**TINY, "csa_compress_ratios": [0, 4, 128, -2], "hybrid_mla_q_lora_rank": 16,
@@ -259,9 +267,9 @@ def test_every_offered_choice_loads():
     for cls in cfg.SECTIONS.values():
         for f in dataclasses.fields(cls):
             for choice in f.metadata.get("choices", ()):
-                if f.name.startswith("recompute_") and choice is not None:
-                    continue  # recompute is not built yet: its values raise "not supported yet" (tested above)
-                assert getattr(load_config(base, **{f.name: choice}), _section(f.name)).__dict__[f.name] == choice
+                needs = _RECOMPUTE_NEEDS.get(choice, {}) if f.name.startswith("recompute_") else {}
+                loaded = load_config(base, **needs, **{f.name: choice})
+                assert getattr(loaded, _section(f.name)).__dict__[f.name] == choice
     assert cfg.SECTIONS["parallel"].__dataclass_fields__["cp_balance_mode"].metadata["choices"] == (
         "contiguous_allgather",)
     help_text = dict((k, h) for _, k, _, h in cfg.config_key_table())["cp_balance_mode"]

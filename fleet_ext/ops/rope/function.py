@@ -21,14 +21,15 @@ from fleet_ext.ops.rope import kernel
 class _PartialRope(PyLayer):
     @staticmethod
     def forward(ctx, x, cos, sin, inverse):
-        ctx.save_for_backward(cos, sin)
+        # Constant tables ride on ctx, not through save_for_backward: nothing to recompute or free (the tables
+        # are cached per layout), and recompute's saved-tensor hooks never see them.
+        ctx.cos, ctx.sin = cos, sin
         ctx.inverse = inverse
         return kernel.rope(x, cos, sin, inverse=inverse)
 
     @staticmethod
     def backward(ctx, grad):
-        cos, sin = ctx.saved_tensor()
-        return kernel.rope_grad(grad, cos, sin, inverse=ctx.inverse), None, None
+        return kernel.rope_grad(grad, ctx.cos, ctx.sin, inverse=ctx.inverse), None, None
 
 
 def check_tables(cos: paddle.Tensor, sin: paddle.Tensor, fn: str) -> None:

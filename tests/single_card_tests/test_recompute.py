@@ -1,0 +1,151 @@
+"""Recompute changes nothing but memory: loss and every parameter gradient byte-equal to no recompute (CPU fp32).
+
+Every policy (full uniform / block, each selective module alone, all of them together) on the tiny DSv4 model
+(window, CSA, HCA, full-causal layers, VHA postmix, mHC, hash and routed MoE with the sequence aux loss), with
+the bitwise fusion switches off and on, and on the hybrid-MLA model in each DSA phase. The aux-free bias
+counts, the logged aux and indexer losses are counted once. Routing replay: a router changed between the
+forward and the backward re-run cannot change the gradients (and does without replay: negative control).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+import pytest
+from helpers import assert_bitwise
+
+from fleet_ext.config import load_config
+from fleet_ext.models import DSv4ForCausalLM
+
+TINY = "fleet_ext/configs/dsv4_tiny_cpu.yaml"
+HYBRID = "configs/dsv4_hybrid_mla_cpu.yaml"
+TINY_MODEL = {"csa_compress_ratios": [0, 4, 128, -1], "use_vha_attention": True,
+              "moe_router_load_balancing_type": "seq_aux_loss"}
+BITWISE_FUSIONS = {"apply_rope_fusion": True, "fuse_inv_rope_into_vha_postmix": True,
+                   "sparse_attn_global_kv_idx_remap_fusion": True, "dsv4_q_rms_norm_fusion": True}
+FUSION_SETS = {  # each compared with itself without recompute
+    "unfused": {},
+    "fused": BITWISE_FUSIONS,
+    "sink_grad": {"dsa_sink_grad_fusion": True},
+    "triton_sparse_attn": {"csa_sparse_attn_backend": "triton", "sparse_attn_global_kv_idx_remap_fusion": True},
+}
+DSV4_MODULES = ["full_attn", "vha_postmix", "core_attn", "mhc", "moe", "moe_act"]
+POLICIES = {
+    "full_uniform": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 3},
+    "full_block": {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 2},
+    **{name: {"recompute_granularity": "selective", "recompute_modules": [name]} for name in DSV4_MODULES},
+    "selective_all": {"recompute_granularity": "selective", "recompute_modules": DSV4_MODULES},
+}
+PHASES = {  # the hybrid-MLA YAML is the sparse phase as written
+    "full_causal": {"hybrid_mla_attention": "mqa_full_causal", "dsa_indexer_use_sparse_loss": False,
+                    "dsa_indexer_loss_coeff": 0.0},
+    "warmup": {"dsa_indexer_use_sparse_loss": False, "train_indexer_only": True},
+    "sparse": {},
+}
+
+
+def _step(source: str, overrides: dict, seq: int = 140, perturb=None) -> dict:
+    """One training forward + backward from a fixed seed; what recompute must leave unchanged."""
+    paddle.seed(11)
+    model = DSv4ForCausalLM(load_config(source, **overrides))
+    model.train()
+    rng = np.random.default_rng(5)
+    for name, tensor in model.state_dict().items():  # sinks, ape, norms, VHA V: off their constant init
+        if tensor.dtype == paddle.float32 and (tensor.ndim == 1 or name.endswith((".ape", "vha_postmix_V"))):
+            tensor.set_value(tensor.numpy() + 0.2 * rng.standard_normal(tensor.shape).astype("float32"))
+    ids = paddle.to_tensor(rng.integers(1, model.config.model.vocab_size, size=(2, seq + 1)).astype("int64"))
+    _, loss = model(ids[:, :-1], labels=ids[:, 1:])
+    if perturb is not None:
+        perturb(model)
+    loss.backward()
+    out = {"loss": loss.numpy(), **{k: v.numpy() for k, v in model.auxiliary_losses().items()}}
+    out.update({f"count/{i}": m.tokens_per_expert.numpy() for i, m in enumerate(model.moe_layers())})
+    out.update({f"grad/{n}": p.grad.numpy() for n, p in model.named_parameters() if p.grad is not None})
+    return out
+
+
+def _assert_same(got: dict, want: dict, what: str) -> None:
+    assert sorted(got) == sorted(want), f"{what}: different sets of gradients"
+    for key in want:
+        assert_bitwise(got[key], want[key], f"{what}: {key}")
+
+
+_REFERENCES: dict[str, dict] = {}
+
+
+def _seq(fusions: str) -> int:
+    """The interpreted Triton sparse-attention kernels are slow on CPU: a shorter sequence (still 9 CSA entries)."""
+    return 36 if fusions == "triton_sparse_attn" else 140
+
+
+def _reference(fusions: str) -> dict:
+    if fusions not in _REFERENCES:
+        _REFERENCES[fusions] = _step(TINY, {**TINY_MODEL, **FUSION_SETS[fusions]}, seq=_seq(fusions))
+    return _REFERENCES[fusions]
+
+
+# Every policy unfused; with Triton kernels on (the interpreter is slow on CPU) the policies that re-run them.
+CASES = [(policy, "unfused") for policy in POLICIES] + [
+    (policy, "fused") for policy in ("full_uniform", "core_attn", "vha_postmix", "full_attn", "selective_all")
+] + [("full_uniform", "sink_grad"), ("full_uniform", "triton_sparse_attn")]
+
+
+@pytest.mark.parametrize("policy, fusions", CASES, ids=[f"{p}-{f}" for p, f in CASES])
+def test_tiny_model_is_bitwise_equal_under_recompute(policy, fusions):
+    got = _step(TINY, {**TINY_MODEL, **FUSION_SETS[fusions], **POLICIES[policy]}, seq=_seq(fusions))
+    _assert_same(got, _reference(fusions), f"{policy} ({fusions})")
+    assert got["moe_aux_loss"].item() > 0, "the aux loss must be on for its once-only logging to be checked"
+
+
+@pytest.mark.parametrize("phase", list(PHASES))
+@pytest.mark.parametrize("policy", ["full_uniform", "core_attn", "mla_up_proj", "selective_all"])
+def test_hybrid_mla_phases_are_bitwise_equal_under_recompute(phase, policy):
+    modules = {"core_attn": ["core_attn"], "mla_up_proj": ["mla_up_proj"],
+               "selective_all": ["full_attn", "core_attn", "mla_up_proj", "mhc", "moe", "moe_act"]}
+    if policy == "full_uniform":
+        recompute = POLICIES["full_uniform"]
+    else:
+        recompute = {"recompute_granularity": "selective", "recompute_modules": modules[policy]}
+    want = _step(HYBRID, PHASES[phase], seq=96)
+    got = _step(HYBRID, {**PHASES[phase], **recompute}, seq=96)
+    _assert_same(got, want, f"{phase} / {policy}")
+    if phase != "full_causal":
+        assert want["indexer_loss"].item() > 0, "the indexer KL must be on for its once-only logging to count"
+
+
+def test_indexer_picks_are_saved_not_recomputed(monkeypatch):
+    """Under full recompute the CSA indexer scores once per step: the re-run replays its picks."""
+    from fleet_ext.layers.csa_indexer import CSAIndexer
+
+    calls = []
+    original = CSAIndexer.forward
+    monkeypatch.setattr(CSAIndexer, "forward", lambda self, *a: calls.append(1) or original(self, *a))
+    _step(TINY, TINY_MODEL)
+    plain = len(calls)
+    calls.clear()
+    _step(TINY, {**TINY_MODEL, **POLICIES["full_uniform"]})
+    assert plain == 1 and len(calls) == plain, (plain, len(calls))
+
+
+def _shift_router_bias(model: DSv4ForCausalLM) -> None:
+    """Between the forward and the backward: a bias step large enough to reroute most tokens."""
+    for layer in model.moe_layers():
+        bias = getattr(layer.router, "expert_bias", None)  # hash-routed layers have none
+        if bias is not None:
+            bias.set_value(paddle.to_tensor(np.linspace(-50, 50, bias.shape[0]).astype("float32")))
+
+
+def test_routing_replay_keeps_the_forwards_experts(monkeypatch):
+    full = POLICIES["full_uniform"]
+    want = _step(TINY, {**TINY_MODEL, **full})
+    got = _step(TINY, {**TINY_MODEL, **full}, perturb=_shift_router_bias)
+    _assert_same(got, want, "router changed before the backward, with replay")
+
+    # Negative control: without replay the re-run routes by the changed bias, so the recomputed segment is no
+    # longer the forward's computation: other experts get other token counts and the tensors the backward
+    # needs no longer match what the forward saved (Paddle refuses the backward).
+    import fleet_ext.layers.moe as moe_module
+
+    monkeypatch.setattr(moe_module, "replayed", lambda owner, compute: (compute(), True))
+    with pytest.raises(Exception, match="saved by autograd"):
+        _step(TINY, {**TINY_MODEL, **full}, perturb=_shift_router_bias)
