@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from fleet_ext.config import recompute_plan
 from fleet_ext.layer_kinds import kinds_of
 
 __all__ = ["startup_table", "count_parameters"]
@@ -28,6 +29,22 @@ def count_parameters(model: Any) -> tuple[int, int]:
     return total, trainable
 
 
+def recompute_summary(config: Any) -> str:
+    """The recompute policy per layer: runs of layers with the same policy, e.g. ``layers 0-2: full (chunk 0-2)``."""
+    plan = recompute_plan(config)
+    if plan.granularity is None:
+        return "none (every activation kept for the backward)"
+    runs: list[tuple[int, int, str]] = []
+    for layer in range(config.model.num_hidden_layers):
+        text = plan.describe(layer)
+        if runs and runs[-1][2] == text:
+            runs[-1] = (runs[-1][0], layer, text)
+        else:
+            runs.append((layer, layer, text))
+    parts = [f"layer {a}: {t}" if a == b else f"layers {a}-{b}: {t}" for a, b, t in runs]
+    return f"{plan.granularity}; " + "; ".join(parts)
+
+
 def startup_table(
     config: Any, model: Any, env: Any, data: Any, no_decay: list, resume: Any, precision: str, device: str
 ) -> str:
@@ -46,6 +63,7 @@ def startup_table(
             + (" + seq aux loss" if moe.moe_router_load_balancing_type == "seq_aux_loss" else ""),
         ),
         ("mHC", f"{m.num_residual_streams} streams" if m.enable_hyper_connections else "off"),
+        ("recompute", recompute_summary(config)),
         (
             "parallel",
             f"{env.world_size} process(es), backend {env.backend}, device {device}: data {env.world_size} x tensor "

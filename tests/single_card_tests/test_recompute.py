@@ -149,3 +149,17 @@ def test_routing_replay_keeps_the_forwards_experts(monkeypatch):
     monkeypatch.setattr(moe_module, "replayed", lambda owner, compute: (compute(), True))
     with pytest.raises(Exception, match="saved by autograd"):
         _step(TINY, {**TINY_MODEL, **full}, perturb=_shift_router_bias)
+
+
+def test_the_startup_table_shows_the_policy_per_layer():
+    from fleet_ext.training.summary import recompute_summary
+
+    full = load_config(TINY, **POLICIES["full_uniform"])
+    assert recompute_summary(full) == "full; layers 0-2: full (chunk 0-2); layer 3: full (chunk 3)"
+    selective = load_config(TINY, recompute_granularity="selective",
+                            recompute_modules={"moe_act": "all", "core_attn": [1, 2]})
+    assert recompute_summary(selective) == (
+        "selective; layer 0: selective: moe_act; layers 1-2: selective: core_attn, moe_act; "
+        "layer 3: selective: moe_act"
+    )
+    assert recompute_summary(load_config(TINY)).startswith("none")

@@ -113,6 +113,18 @@ def test_run_writes_metrics_plot_checkpoints_and_a_startup_table(run4):
         ),
         ("partial checkpoint path", None, ["--resume_from_checkpoint", "PARTIAL"], "is not a complete checkpoint"),
         ("bf16 on a CPU build", None, ["--bf16", "true"], "`bf16` = True cannot run on this machine"),
+        (
+            "selective recompute without modules",
+            None,
+            ["--recompute_granularity", "selective"],
+            "config key `recompute_modules`",
+        ),
+        (
+            "unknown recompute module",
+            None,
+            ["--recompute_granularity", "selective", "--recompute_modules", "[core_atn]"],
+            "did you mean `core_attn`",
+        ),
     ],
 )
 def test_bad_input_exits_2_with_a_clear_message_and_checkpoints_untouched(
