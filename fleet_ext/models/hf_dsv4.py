@@ -89,12 +89,6 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"config.json: model_type must be 'deepseek_v4', got {hf.get('model_type')!r}")
     n_layers = hf["num_hidden_layers"]
     rates = {_CSA: 4, _HCA: 128, **(hf.get("compress_rates") or {})}
-    if rates[_HCA] != HCA_ENTRY:
-        raise ValueError(
-            f"config.json: compress_rates[{_HCA!r}] = {rates[_HCA]} is not supported yet: fleet_ext expresses it "
-            "(`hca_compress_ratio`), but importing an HCA rate other than 128 has not been checked against "
-            "transformers' logits; re-create the model with an HCA rate of 128"
-        )
     layer_types = hf["layer_types"][:n_layers]
     ratios = [{_SWA: 0, _CSA: rates[_CSA], _HCA: HCA_ENTRY}[t] for t in layer_types]
     mlp_types = hf["mlp_layer_types"][:n_layers]
@@ -113,6 +107,7 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     if hf.get("num_nextn_predict_layers"):
         logger.info("dropping %d MTP layer(s): fleet_ext does not build MTP yet", hf["num_nextn_predict_layers"])
     flat = {
+        "hca_compress_ratio": rates[_HCA],  # the csa_compress_ratios entry 128 marks HCA; this is its rate
         "vocab_size": hf["vocab_size"],
         "hidden_size": hf["hidden_size"],
         "num_hidden_layers": n_layers,
@@ -169,8 +164,6 @@ def _export_problems(config: Any, kinds: list[LayerKind], csa: list[int]) -> lis
     problems = []
     if not m.enable_hyper_connections:
         problems.append("enable_hyper_connections must be true (DeepSeek-V4 always uses mHC)")
-    if m.hca_compress_ratio != HCA_ENTRY:
-        problems.append(f"hca_compress_ratio = {m.hca_compress_ratio}: only 128 is mapped to Hugging Face so far")
     if LayerKind.HYBRID_MLA in kinds or LayerKind.FULL_CAUSAL in kinds:
         problems.append("csa_compress_ratios -1/-2 layers have no DeepSeek-V4 equivalent")
     if len(csa) > 1:

@@ -41,12 +41,24 @@ CASES = {
         "original_max_position_embeddings": 32, "beta_fast": 16, "beta_slow": 2}, seq_len=261,
         hc_mult=2, hc_sinkhorn_iters=5, sliding_window=24,
     ),
+    # HCA rates other than PaddleFleet's 128 (the entry 128 marks the kind, `hca_compress_ratio` is the rate).
+    "hca8_csa4_batch3": dict(
+        layer_types=[CSA, HCA, SWA, HCA], mlp_layer_types=["hash_moe", "moe", "moe", "moe"], scoring_func="sigmoid",
+        compress_rates={CSA: 4, HCA: 8}, rope_parameters=None, seq_len=91, batch=3, sliding_window=12,
+    ),
+    "hca16_csa8_batch3": dict(
+        layer_types=[HCA, CSA, HCA], mlp_layer_types=["moe", "moe", "moe"], scoring_func="sqrtsoftplus",
+        compress_rates={CSA: 8, HCA: 16}, rope_parameters={"rope_type": "yarn", "factor": 4.0,
+        "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1}, seq_len=139, batch=3,
+        sliding_window=20, index_topk=4,
+    ),
 }
 
 
 def _hf_model(case: dict, seed: int = 0):
     case = dict(case)
     case.pop("seq_len")
+    case.pop("batch", None)
     base = dict(
         vocab_size=97, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=len(case["layer_types"]),
         num_attention_heads=4, head_dim=16, q_lora_rank=12, num_experts_per_tok=2, n_routed_experts=4,
@@ -88,10 +100,12 @@ def test_hf_checkpoint_logits_match(name, tmp_path):
     case = CASES[name]
     hf = _hf_model(case)
     hf.save_pretrained(tmp_path)
-    ids = _ids(case["seq_len"])
+    ids = _ids(case["seq_len"], batch=case.get("batch", 2))
     with torch.no_grad():
         expected = hf(torch.from_numpy(ids)).logits.numpy()
-    got = _ours(DSv4ForCausalLM.from_pretrained(tmp_path), ids)
+    ours = DSv4ForCausalLM.from_pretrained(tmp_path)
+    assert ours.config.model.hca_compress_ratio == case["compress_rates"][HCA]
+    got = _ours(ours, ids)
     assert np.abs(expected).max() > 0.5, "logits too small for the comparison to mean anything"
     diff = np.abs(got - expected).max()
     assert diff <= LOGIT_TOL, f"{name}: max |logit diff| {diff:.3e} > {LOGIT_TOL}"
@@ -115,14 +129,16 @@ def test_indexer_and_compressors_are_exercised(tmp_path):
     assert hca.compressor(x, layout).shape[1] == case["seq_len"] // 128 >= 2
 
 
-def test_export_round_trip_through_transformers(tmp_path):
-    """HF -> fleet_ext -> save_pretrained -> transformers loads every tensor -> same logits."""
-    case = CASES["plain_rope_sigmoid_ratio8"]
+@pytest.mark.parametrize("name", ["plain_rope_sigmoid_ratio8", "hca16_csa8_batch3"])
+def test_export_round_trip_through_transformers(tmp_path, name):
+    """HF -> fleet_ext -> save_pretrained -> transformers loads every tensor -> same logits (any HCA rate)."""
+    case = CASES[name]
     _hf_model(case).save_pretrained(tmp_path / "hf")
     ours = DSv4ForCausalLM.from_pretrained(tmp_path / "hf")
     ours.save_pretrained(tmp_path / "export")
     reloaded, info = transformers.DeepseekV4ForCausalLM.from_pretrained(tmp_path / "export", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert reloaded.config.compress_rates == case["compress_rates"]
     ids = _ids(case["seq_len"], seed=11)
     with torch.no_grad():
         expected = reloaded.eval()(torch.from_numpy(ids)).logits.numpy()
