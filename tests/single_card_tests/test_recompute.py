@@ -127,6 +127,17 @@ def test_indexer_picks_are_saved_not_recomputed(monkeypatch):
     assert plain == 1 and len(calls) == plain, (plain, len(calls))
 
 
+@pytest.mark.parametrize("fusions", [{"apply_rope_fusion": True},
+                                     {"mqa_sparse_attn_backend": "triton", "apply_rope_fusion": True}],
+                         ids=["rope_fusion", "triton_latent_mqa"])
+def test_hybrid_mla_sparse_phase_with_fused_kernels_under_recompute(fusions):
+    """The -2 layers' fused paths (RoPE kernel, Triton latent-MQA sparse attention) re-run bitwise too."""
+    seq = 96 if "mqa_sparse_attn_backend" not in fusions else 40  # interpreted sparse attention: keep it short
+    want = _step(HYBRID, fusions, seq=seq)
+    got = _step(HYBRID, {**fusions, **POLICIES["full_uniform"]}, seq=seq)
+    _assert_same(got, want, f"sparse phase, {fusions}, full recompute")
+
+
 def _shift_router_bias(model: DSv4ForCausalLM) -> None:
     """Between the forward and the backward: a bias step large enough to reroute most tokens."""
     for layer in model.moe_layers():
