@@ -9,6 +9,10 @@ forward and the backward re-run cannot change the gradients (and does without re
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import paddle
 import pytest
@@ -17,6 +21,7 @@ from helpers import assert_bitwise
 from fleet_ext.config import load_config
 from fleet_ext.models import DSv4ForCausalLM
 
+ROOT = Path(__file__).resolve().parents[2]
 TINY = "fleet_ext/configs/dsv4_tiny_cpu.yaml"
 HYBRID = "configs/dsv4_hybrid_mla_cpu.yaml"
 TINY_MODEL = {"csa_compress_ratios": [0, 4, 128, -1], "use_vha_attention": True,
@@ -146,20 +151,33 @@ def _shift_router_bias(model: DSv4ForCausalLM) -> None:
             bias.set_value(paddle.to_tensor(np.linspace(-50, 50, bias.shape[0]).astype("float32")))
 
 
-def test_routing_replay_keeps_the_forwards_experts(monkeypatch):
+def test_routing_replay_keeps_the_forwards_experts():
     full = POLICIES["full_uniform"]
     want = _step(TINY, {**TINY_MODEL, **full})
     got = _step(TINY, {**TINY_MODEL, **full}, perturb=_shift_router_bias)
     _assert_same(got, want, "router changed before the backward, with replay")
 
-    # Negative control: without replay the re-run routes by the changed bias, so the recomputed segment is no
-    # longer the forward's computation: other experts get other token counts and the tensors the backward
-    # needs no longer match what the forward saved (Paddle refuses the backward).
-    import fleet_ext.layers.moe as moe_module
 
-    monkeypatch.setattr(moe_module, "replayed", lambda owner, compute: (compute(), True))
-    with pytest.raises(Exception, match="saved by autograd"):
-        _step(TINY, {**TINY_MODEL, **full}, perturb=_shift_router_bias)
+NO_REPLAY = """
+import sys
+sys.path[:0] = ["tests", "tests/single_card_tests"]
+import fleet_ext.layers.moe as moe
+import test_recompute as t
+moe.replayed = lambda owner, compute: (compute(), True)  # routing replay off
+try:
+    t._step(t.TINY, {**t.TINY_MODEL, **t.POLICIES["full_uniform"]}, perturb=t._shift_router_bias)
+except Exception as exc:
+    print("BACKWARD FAILED:", str(exc).splitlines()[0])
+"""
+
+
+def test_without_routing_replay_the_changed_router_breaks_the_backward():
+    """Negative control: without replay the re-run routes by the changed bias, so the recomputed segment is no
+    longer the forward's computation: other experts get other token counts and the tensors the backward needs
+    no longer match what the forward saved (Paddle refuses the backward). Run in its own process: a backward
+    that fails inside recompute leaves Paddle's saved-tensor hooks registered for the rest of the process."""
+    result = subprocess.run([sys.executable, "-c", NO_REPLAY], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert "BACKWARD FAILED:" in result.stdout and "saved by autograd" in result.stdout, result.stdout + result.stderr
 
 
 def test_the_startup_table_shows_the_policy_per_layer():
