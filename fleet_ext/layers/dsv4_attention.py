@@ -75,8 +75,7 @@ class DSv4HybridSelfAttention(FleetLayer):
                 f"got shape {hidden_states.shape}"
             )
         batch, seq, _ = hidden_states.shape
-        layout = layout or SequenceLayout.whole(seq)
-        layout.check_input("DSv4HybridSelfAttention", "hidden_states", seq)
+        layout = SequenceLayout.resolve(layout, "DSv4HybridSelfAttention", "hidden_states", seq)
         layout.require_whole("DSv4HybridSelfAttention")
         q_latent = self.q_layernorm(self.linear_q_down_proj(hidden_states))
         q = self.linear_q_up_proj(q_latent).reshape([batch, seq, self.heads, self.head_dim])

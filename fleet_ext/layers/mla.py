@@ -160,8 +160,7 @@ class MLASelfAttention(FleetLayer):
                 f"MLASelfAttention: `hidden_states` must be [b, s, {width}], got shape {hidden_states.shape}"
             )
         seq = hidden_states.shape[1]
-        layout = layout or SequenceLayout.whole(seq)
-        layout.check_input("MLASelfAttention", "hidden_states", seq)
+        layout = SequenceLayout.resolve(layout, "MLASelfAttention", "hidden_states", seq)
         layout.require_whole("MLASelfAttention")
         return layout
 

@@ -107,8 +107,7 @@ class MQALatentAttention(FleetLayer):
             )
         if loss_mask is not None and list(loss_mask.shape) != [batch, seq]:
             raise ValueError(f"MQALatentAttention: `loss_mask` must be [{batch}, {seq}], got {loss_mask.shape}")
-        layout = layout or SequenceLayout.whole(seq)
-        layout.check_input("MQALatentAttention", "query", seq)
+        layout = SequenceLayout.resolve(layout, "MQALatentAttention", "query", seq)
         if recording():
             self.indexer_loss = None
         with_loss = self.indexer is not None and self.loss_coeff > 0 and self.training and paddle.is_grad_enabled()

@@ -40,6 +40,9 @@ def yarn_inv_freq(
     return base_freq / factor * (1.0 - extrapolation_weight) + base_freq * extrapolation_weight
 
 
+_CACHED_RANGES = 64  # per table: a training run uses one or two ranges; evaluation at other lengths a few more
+
+
 class RotaryTable:
     """cos/sin of ``position * inv_freq`` for one layer kind; shape ``[n_pos, dim // 2]`` fp32.
 
@@ -68,6 +71,8 @@ class RotaryTable:
         if not isinstance(positions, range):
             raise ValueError(f"RotaryTable.cos_sin: `positions` must be a range, got {type(positions).__name__}")
         if positions not in self._cache:
+            if len(self._cache) >= _CACHED_RANGES:  # bounded: variable-length inference must not grow it forever
+                self._cache.pop(next(iter(self._cache)))
             self._cache[positions] = self._build(np.arange(positions.start, positions.stop, positions.step))
         return self._cache[positions]
 

@@ -86,6 +86,14 @@ class SequenceLayout:
         """Global positions of this rank's tokens, in order."""
         return range(self.offset, self.end)
 
+    @classmethod
+    def resolve(cls, layout: SequenceLayout | None, owner: str, name: str, seq_len: int) -> SequenceLayout:
+        """``layout`` checked against a tensor's sequence axis, or the whole sequence when None (a layer used
+        on its own, outside the model)."""
+        layout = layout or cls.whole(seq_len)
+        layout.check_input(owner, name, seq_len)
+        return layout
+
     def require_whole(self, owner: str) -> None:
         """Raise unless this rank holds the whole sequence: attention over a shard needs the context-parallel
         key exchange, which is not built yet (the tables and RoPE already follow the layout)."""

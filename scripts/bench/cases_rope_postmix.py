@@ -21,9 +21,16 @@ sequence that mirrors the Paddle reference (``fleet_ext/ops/*/reference.py``); `
 
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 
 from fleet_ext import capability
+
+# The eager baseline is the same op sequence the GPU tests hold the kernels to (torch only, no Paddle).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tests"))
+from helpers.torch_rope import eager_rope  # noqa: E402
 
 capability.prepare_triton()
 
@@ -31,22 +38,6 @@ from fleet_ext.ops.inv_rope_postmix import kernel as postmix_kernel  # noqa: E40
 from fleet_ext.ops.rope import kernel as rope_kernel  # noqa: E402
 
 SEQ, HEADS, DIM, PE = 16384, 64, 512, 64
-
-
-def eager_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """The Paddle reference's op sequence (fleet_ext/ops/rope/reference.py) in eager torch."""
-    rope_dim = 2 * cos.shape[-1]
-    if cos.ndim == 2:
-        cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
-    if x.ndim == 4:
-        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-    if inverse:
-        sin = -sin
-    nope = x[..., : x.shape[-1] - rope_dim]
-    rope = x[..., x.shape[-1] - rope_dim :].float()
-    even, odd = rope[..., 0::2], rope[..., 1::2]
-    rotated = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).reshape(rope.shape)
-    return torch.cat([nope, rotated.to(x.dtype)], dim=-1)
 
 
 def _tables(seq: int, half: int) -> tuple[torch.Tensor, torch.Tensor]:

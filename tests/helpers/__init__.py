@@ -12,11 +12,11 @@ Paddle nor torch, so tests/gpu can use it on a machine without Paddle.
 """
 
 from .asserts import assert_bitwise, assert_close
-from .configs import DEFAULT_WIDTHS_2L, TINY_HYBRID_MLA, TINY_MODEL, tiny_model
+from .configs import DEFAULT_WIDTHS_2L, TINY_HYBRID_MLA, TINY_MODEL, move_constant_inits, tiny_model
 from .launches import expect_launches, launch_counts
 from .tolerances import TOLERANCES, Tol, tolerance
 
 __all__ = [
     "DEFAULT_WIDTHS_2L", "TINY_HYBRID_MLA", "TINY_MODEL", "TOLERANCES", "Tol", "assert_bitwise", "assert_close",
-    "expect_launches", "launch_counts", "tiny_model", "tolerance",
+    "expect_launches", "launch_counts", "move_constant_inits", "tiny_model", "tolerance",
 ]

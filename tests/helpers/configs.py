@@ -33,3 +33,11 @@ def tiny_model(**overrides: Any) -> dict[str, Any]:
     config = {k: list(v) if isinstance(v, list) else v for k, v in TINY_MODEL.items()}
     config.update(overrides)
     return config
+
+
+def move_constant_inits(model: Any, rng: Any, scale: float) -> None:
+    """Move every fp32 parameter a constant initialiser set (norm gains 1, sinks / biases / ape / VHA V 0) off
+    that constant by ``scale`` x N(0, 1), so no gradient is trivially 0 or 1 and a comparison means something."""
+    for name, tensor in model.state_dict().items():
+        if str(tensor.dtype).endswith("float32") and (tensor.ndim == 1 or name.endswith((".ape", "vha_postmix_V"))):
+            tensor.set_value(tensor.numpy() + scale * rng.standard_normal(tensor.shape).astype("float32"))

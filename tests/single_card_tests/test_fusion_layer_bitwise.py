@@ -16,7 +16,7 @@ import importlib
 import numpy as np
 import paddle
 import pytest
-from helpers import assert_bitwise, assert_close, expect_launches, tiny_model
+from helpers import assert_bitwise, assert_close, expect_launches, move_constant_inits, tiny_model
 
 pytest.importorskip("triton", reason="fused kernels need Triton (installed by the `test` extra)")
 pytest.importorskip("torch", reason="the Triton interpreter needs torch (installed by the `test` extra)")
@@ -50,9 +50,7 @@ def _model(switches: dict, seed: int = 0):
     paddle.seed(seed)
     model = DSv4ForCausalLM({**BASE, **switches})
     rng = np.random.default_rng(seed)
-    for name, tensor in model.state_dict().items():  # sinks, ape, norms, VHA V off their constant init
-        if tensor.dtype == paddle.float32 and (tensor.ndim == 1 or name.endswith((".ape", "vha_postmix_V"))):
-            tensor.set_value(tensor.numpy() + 0.3 * rng.standard_normal(tensor.shape).astype("float32"))
+    move_constant_inits(model, rng, 0.3)
     return model
 
 

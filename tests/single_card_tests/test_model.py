@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import paddle
 import pytest
-from helpers import assert_close, tiny_model
+from helpers import assert_close, move_constant_inits, tiny_model
 from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
 
 from fleet_ext.config import load_config
@@ -28,9 +28,7 @@ def _model(seed: int = 0, **overrides) -> DSv4ForCausalLM:
     paddle.seed(seed)
     model = DSv4ForCausalLM({**BASE, **overrides})
     rng = np.random.default_rng(seed)
-    for name, tensor in model.state_dict().items():  # move zero/one inits (sinks, ape, norms, V) off their constant
-        if tensor.dtype == paddle.float32 and (tensor.ndim == 1 or name.endswith((".ape", "vha_postmix_V"))):
-            tensor.set_value(tensor.numpy() + 0.2 * rng.standard_normal(tensor.shape).astype("float32"))
+    move_constant_inits(model, rng, 0.2)
     return model
 
 

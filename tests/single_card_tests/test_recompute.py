@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import paddle
 import pytest
-from helpers import assert_bitwise
+from helpers import assert_bitwise, move_constant_inits
 
 from fleet_ext.config import load_config
 from fleet_ext.models import DSv4ForCausalLM
@@ -55,9 +55,7 @@ def _step(source: str, overrides: dict, seq: int = 140, perturb=None) -> dict:
     model = DSv4ForCausalLM(load_config(source, **overrides))
     model.train()
     rng = np.random.default_rng(5)
-    for name, tensor in model.state_dict().items():  # sinks, ape, norms, VHA V: off their constant init
-        if tensor.dtype == paddle.float32 and (tensor.ndim == 1 or name.endswith((".ape", "vha_postmix_V"))):
-            tensor.set_value(tensor.numpy() + 0.2 * rng.standard_normal(tensor.shape).astype("float32"))
+    move_constant_inits(model, rng, 0.2)
     ids = paddle.to_tensor(rng.integers(1, model.config.model.vocab_size, size=(2, seq + 1)).astype("int64"))
     _, loss = model(ids[:, :-1], labels=ids[:, 1:])
     if perturb is not None:
