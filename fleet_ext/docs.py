@@ -57,7 +57,8 @@ def fusion_table_markdown() -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for f in FUSIONS.values():
         cells = [f"`{f.switch}`", _cell(f.summary), *(_claim_cell(c) for _, c in f.bitwise.items()),
-                 _cell(f.tolerance or "-"), _claim_cell(f.cp_safe), _claim_cell(f.recompute_safe, "CPU fp32"),
+                 _cell(f.tolerance or "-"), _claim_cell(f.cp_safe, "CPU fp32, 2 gloo ranks"),
+                 _claim_cell(f.recompute_safe, "CPU fp32"),
                  "available" if f.landed else "not built yet (raises)"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join([*lines, "", _cell(CLAIMS_LEGEND).replace("claims: ", "Claims: ", 1) + "."])

@@ -35,6 +35,22 @@ def _inv_rope_postmix_gate(config: Any) -> str | None:
     return None
 
 
+def _moe_gate(config: Any) -> str | None:
+    """Why a MoE fusion can never trigger with this config: no MoE layer."""
+    if config.moe.first_k_dense_replace >= config.model.num_hidden_layers:
+        return "every layer is dense (first_k_dense_replace >= num_hidden_layers): there is no MoE layer"
+    return None
+
+
+def _moe_router_gate(config: Any) -> str | None:
+    """Why ``moe_router_fusion`` can never trigger: no MoE layer, or group-limited routing (not fused)."""
+    m = config.moe
+    if m.n_group > 1 and m.topk_group < m.n_group:
+        return (f"the fused router serves ungrouped top-k (DeepSeek-V4); n_group = {m.n_group} with topk_group = "
+                f"{m.topk_group} limits each token to its best groups")
+    return _moe_gate(config)
+
+
 YES, NO, UNTESTED = "yes", "no", "untested"
 
 
@@ -95,7 +111,7 @@ class BitwiseClaims:
 
 CLAIMS_LEGEND = (
     "claims: 'yes' = verified by the tests fleet_ext.registry names; 'no' = does not hold, the tolerance applies; "
-    "'untested' = no test yet (context parallelism is not built); "
+    "'untested' = no test yet; "
     + "; ".join(f"{label} = {what}" for label, what, _ in PLATFORMS.values())
 )
 
@@ -104,6 +120,12 @@ CLAIMS_LEGEND = (
 # is "yes" and fails if one is missing from its switch sets.
 # Recompute leaves the loss and every gradient byte-equal with the switch on (full and selective policies).
 _RECOMPUTE = "tests/single_card_tests/test_recompute.py::test_tiny_model_is_bitwise_equal_under_recompute"
+# CP=2 against CP=1 under a real 2-rank launch with the switch on (logits and loss bitwise, gradients within the
+# summation-order tolerance, the kernel's launches counted on every rank).
+_CP = (
+    "tests/multi_card_tests/test_context_parallel.py::test_logits_and_loss_are_bitwise_equal_to_one_process",
+    "tests/multi_card_tests/test_context_parallel.py::test_fused_kernels_ran_under_context_parallelism",
+)
 _LAYER_BITWISE = (
     "tests/single_card_tests/test_fusion_layer_bitwise.py::test_attention_layer_is_bitwise_equal_with_the_fusion"
 )
@@ -119,7 +141,7 @@ class Fusion:
     reference: str
     bitwise: BitwiseClaims = BitwiseClaims()
     tolerance: str | None = None  # why not bitwise, and the bound the tests use
-    cp_safe: Claim = Claim()  # earned by a CP test (none yet: context parallelism is not built)
+    cp_safe: Claim = Claim()  # earned by a CP test with the switch on (CPU fp32, 2 gloo ranks)
     recompute_safe: Claim = Claim()  # earned by a recompute test with the switch on (CPU fp32, the tests' platform)
     landed: bool = True
     config_gate: Callable[[Any], str | None] = _never
@@ -141,7 +163,8 @@ class Fusion:
         else:
             head = f"not bitwise ({self.bitwise.text()}); tolerance: {self.tolerance or 'none documented'}"
         recompute = self.recompute_safe.verdict + (" (CPU fp32)" if self.recompute_safe.verdict == YES else "")
-        return f"{head}; CP-safe: {self.cp_safe.verdict}; recompute-safe: {recompute}"
+        cp = self.cp_safe.verdict + (" (CPU fp32)" if self.cp_safe.verdict == YES else "")
+        return f"{head}; CP-safe: {cp}; recompute-safe: {recompute}"
 
     def load(self, which: str) -> Callable:
         """Import the ``fused`` or ``reference`` callable."""
@@ -157,6 +180,7 @@ FUSIONS: dict[str, Fusion] = {
             summary="per-batch-local -> flat-global KV index remap in one kernel (int64 math; an int32 table "
             "whose B*seqlen_kv would wrap raises instead)",
             recompute_safe=_yes(_RECOMPUTE),
+            cp_safe=_yes(*_CP),
             fused="fleet_ext.ops.kv_idx_remap.function:local_to_global_flat",
             reference="fleet_ext.ops.kv_idx_remap.reference:local_to_global_flat",
             bitwise=BitwiseClaims(
@@ -169,6 +193,7 @@ FUSIONS: dict[str, Fusion] = {
             switch="apply_rope_fusion",
             summary="partial interleaved RoPE (forward and inverse) on the trailing qk_pos_emb_head_dim channels",
             recompute_safe=_yes(_RECOMPUTE),
+            cp_safe=_yes(*_CP),
             fused="fleet_ext.ops.rope.function:apply_partial_rope",
             reference="fleet_ext.ops.rope.reference:apply_partial_rope",
             bitwise=BitwiseClaims(
@@ -185,6 +210,7 @@ FUSIONS: dict[str, Fusion] = {
             switch="fuse_inv_rope_into_vha_postmix",
             summary="inverse RoPE fused into the ungrouped VHA postmix (no full-width rotated intermediate)",
             recompute_safe=_yes(_RECOMPUTE),
+            cp_safe=_yes(*_CP),
             fused="fleet_ext.ops.inv_rope_postmix.function:inv_rope_vha_postmix",
             reference="fleet_ext.ops.inv_rope_postmix.reference:inv_rope_vha_postmix",
             bitwise=BitwiseClaims(
@@ -205,6 +231,7 @@ FUSIONS: dict[str, Fusion] = {
             switch="dsa_sink_grad_fusion",
             summary="attention-sink gradient d_sink = -sum p_sink * rowsum(dO o O), deterministic",
             recompute_safe=_yes(_RECOMPUTE),
+            cp_safe=_yes(*_CP),
             fused="fleet_ext.ops.sink_grad.function:sparse_attention_fused_sink_grad",
             reference="fleet_ext.ops.sparse_attn.reference:sparse_attention_with_sink",
             bitwise=BitwiseClaims(
@@ -224,6 +251,7 @@ FUSIONS: dict[str, Fusion] = {
             summary="weightless per-head q RMS norm, forward and backward (on CPU the rsqrt stays Paddle's: "
             "its vectorised estimate is position-dependent)",
             recompute_safe=_yes(_RECOMPUTE),
+            cp_safe=_yes(*_CP),
             fused="fleet_ext.ops.q_rms_norm.function:q_rms_norm",
             reference="fleet_ext.ops.q_rms_norm.reference:q_rms_norm",
             bitwise=BitwiseClaims(
@@ -233,6 +261,58 @@ FUSIONS: dict[str, Fusion] = {
                 ),
                 gpu=_yes("tests/gpu/test_q_rms_norm_gpu.py::test_forward_and_backward_bitwise_vs_eager_torch"),
             ),
+        ),
+        Fusion(
+            switch="moe_permute_fusion",
+            summary="MoE tokens to expert-contiguous rows (stable counting sort, offsets) and back with each token's "
+            "weighted sum in row order: a gather, no atomics",
+            fused="fleet_ext.ops.moe_permute.function:permute",
+            reference="fleet_ext.ops.moe_permute.reference:permute",
+            recompute_safe=_yes("tests/single_card_tests/test_fusion_moe_permute.py::"
+                                "test_tiny_model_is_bitwise_equal_with_the_fusion_under_recompute"),
+            cp_safe=_yes(*_CP),
+            bitwise=BitwiseClaims(
+                cpu_fp32=_yes(
+                    "tests/single_card_tests/test_fusion_moe_permute.py::"
+                    "test_forward_and_backward_are_bitwise_equal_to_the_reference",
+                    "tests/single_card_tests/test_fusion_moe_permute.py::test_moe_layer_is_bitwise_equal_with_the_fusion",
+                    "tests/single_card_tests/test_fusion_moe_permute.py::test_tiny_model_is_bitwise_equal_with_the_fusion",
+                ),
+                gpu=_no("tests/gpu/test_moe_permute_gpu.py::test_bitwise_vs_the_eager_mirror"),
+            ),
+            tolerance="GPU only: d_weights is a blocked fp32 sum over D (deterministic; not eager's order): "
+            "|err| <= 1e-5 * sum_d |d_out * y| vs float64; rows, output, d_hidden and d_y bitwise vs eager",
+            config_gate=_moe_gate,
+        ),
+        Fusion(
+            switch="moe_router_fusion",
+            summary="MoE routing from the scores: biased top-k (ties to the lowest expert id; Paddle's CPU top-k "
+            "orders tied experts its own way, so the bitwise claim covers tie-free rows) or the hash lookup, "
+            "renormalised scaled weights, per-expert counts; one forward and one backward kernel",
+            fused="fleet_ext.ops.moe_router.function:route",
+            reference="fleet_ext.ops.moe_router.reference:route",
+            recompute_safe=_yes("tests/single_card_tests/test_fusion_moe_router.py::"
+                                "test_tiny_model_is_bitwise_equal_with_the_fusion_under_recompute"),
+            cp_safe=_yes(*_CP),
+            bitwise=BitwiseClaims(
+                cpu_fp32=_yes(
+                    "tests/single_card_tests/test_fusion_moe_router.py::"
+                    "test_forward_and_backward_are_bitwise_equal_to_the_reference",
+                    "tests/single_card_tests/test_fusion_moe_router.py::test_moe_layer_is_bitwise_equal_with_the_fusion",
+                    "tests/single_card_tests/test_fusion_moe_router.py::test_tiny_model_is_bitwise_equal_with_the_fusion",
+                ),
+                gpu=_yes("tests/gpu/test_moe_router_gpu.py::test_given_scores_bitwise_vs_the_eager_mirror",
+                         "tests/gpu/test_moe_router_gpu.py::test_hash_routing_and_replayed_selection"),
+            ),
+            config_gate=_moe_router_gate,
+        ),
+        Fusion(
+            switch="moe_expert_fusion",
+            summary="grouped expert GEMMs (gate+up with the clamped SwiGLU epilogue, down; fwd and bwd) over the "
+            "permuted rows",
+            fused="",
+            reference="fleet_ext.layers.moe:GroupedExperts",
+            landed=False,
         ),
         Fusion(
             switch="use_fused_mhc",
@@ -251,7 +331,8 @@ BACKENDS: dict[str, dict[str, bool]] = {
 }
 BACKEND_GUARANTEE = (
     "Triton sparse attention (fwd + deterministic bwd): not bitwise (online softmax, other summation order); "
-    "fp32 within 1e-5 relative of the reference, byte-identical run to run"
+    "fp32 within 1e-5 relative of the reference, byte-identical run to run; CP-safe: yes (CPU fp32, "
+    "tests/multi_card_tests/test_context_parallel.py, cases dsv4_triton and mla_sparse_triton)"
 )
 
 

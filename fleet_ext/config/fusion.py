@@ -26,6 +26,13 @@ class FusionConfig(Section):
     dsa_sink_grad_fusion: bool = _key(False, "Triton deterministic attention-sink gradient.")
     dsv4_q_rms_norm_fusion: bool = _key(False, "Triton weightless per-head q RMS norm.")
     use_fused_mhc: bool = _key(False, "Fused mHC pre/post/Sinkhorn kernels.")
+    moe_permute_fusion: bool = _key(
+        False, "Triton MoE permute / unpermute: stable counting sort by expert, gather-based weighted combine."
+    )
+    moe_router_fusion: bool = _key(
+        False, "Triton MoE router: biased top-k (or hash lookup), renormalised scaled weights and per-expert counts."
+    )
+    moe_expert_fusion: bool = _key(False, "Grouped expert GEMMs with the clamped SwiGLU epilogue (not built yet).")
     csa_sparse_attn_backend: str = _key("unfused", "Sparse attention of DSv4 layers.", ("unfused", "triton"))
     mqa_sparse_attn_backend: str = _key("unfused", "Sparse attention of -2 layers.", ("unfused", "triton"))
     mqa_sparse_attn_backward_backend: str = _key(

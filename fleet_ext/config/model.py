@@ -18,7 +18,6 @@ from fleet_ext.config.fields import (
     at_least,
     fail,
     key_field,
-    not_yet,
 )
 from fleet_ext.layer_kinds import LayerKind, kind_of_entry, kinds_of
 
@@ -44,7 +43,12 @@ class ModelConfig(Section):
     hidden_size: int = _key(4096, "Model width D.", domain=POSITIVE)
     num_hidden_layers: int = _key(43, "Number of transformer layers (MTP layers not included).", domain=POSITIVE)
     num_nextn_predict_layers: int = _key(
-        0, "MTP depth; `csa_compress_ratios` must cover these layers too.", domain=NON_NEGATIVE
+        0, "MTP depth (DeepSeek-V4: 1); `csa_compress_ratios` must cover these layers too (trailing entries).",
+        domain=NON_NEGATIVE,
+    )
+    mtp_loss_scaling_factor: float = _key(
+        0.1, "Weight of the MTP loss (mean over the depths) added to the LM loss's gradient (PaddleFormers key).",
+        domain=NON_NEGATIVE,
     )
     num_attention_heads: int = _key(64, "Query heads n_h (all share one K=V head).", domain=POSITIVE)
     q_lora_rank: int = _key(1024, "Rank of the low-rank query path (wq_a -> q_norm -> wq_b).", domain=POSITIVE)
@@ -98,7 +102,8 @@ class ModelConfig(Section):
     )
     dsa_indexer_loss_coeff: float = _key(
         0.0,
-        "Weight of the DSA indexer KL loss of -2 layers (mqa_dsa); the CSA indexer loss is not built yet.",
+        "Weight of the indexer KL loss: the CSA layers' lightning indexer (over its top-k picks) and the DSA "
+        "indexer of mqa_dsa -2 layers; 0 = off.",
         domain=NON_NEGATIVE,
         fix="use 0.0 (off) or e.g. 1.0e-2",
     )
@@ -117,8 +122,8 @@ class ModelConfig(Section):
     )
     train_indexer_only: bool = _key(
         False,
-        "Indexer warm-up: every parameter but the -2 layers' DSA indexers is frozen (needs mqa_dsa, the dense "
-        "phase and dsa_indexer_loss_coeff > 0).",
+        "Indexer warm-up: every parameter but the indexers (CSA lightning indexers, -2 layers' DSA indexers) is "
+        "frozen (needs an indexer, dsa_indexer_loss_coeff > 0 and, with mqa_dsa, the dense phase).",
     )
     hybrid_mla_attention: str = _key(
         "mha",
@@ -180,7 +185,8 @@ class ModelConfig(Section):
     tie_word_embeddings: bool = _key(False, "Share the embedding and LM-head weight.")
     pad_token_id: int = _key(
         0,
-        "Padding token id (the LM loss ignores labels = -100; -2 layers' indexer KL skips rows of this id).",
+        "Padding token id (the LM loss ignores labels = -100; the indexer KL of CSA and -2 layers skips rows of "
+        "this id).",
         domain=NON_NEGATIVE,
         fix="use a real token id",
     )
@@ -223,14 +229,7 @@ class ModelConfig(Section):
         return min(max(self.num_attention_heads // 4, 1), self.num_attention_heads)
 
     def _check_layer_list(self) -> None:
-        """One known ``csa_compress_ratios`` entry per layer (MTP layers are not built yet)."""
-        if self.num_nextn_predict_layers != 0:
-            not_yet(
-                "num_nextn_predict_layers",
-                self.num_nextn_predict_layers,
-                "building MTP layers",
-                "set `num_nextn_predict_layers: 0` (HF imports drop the MTP weights)",
-            )
+        """One known ``csa_compress_ratios`` entry per layer, MTP layers included (trailing)."""
         ratios = self.csa_compress_ratios
         want = self.num_hidden_layers + self.num_nextn_predict_layers
         if len(ratios) != want:
@@ -295,7 +294,7 @@ class ModelConfig(Section):
             )
 
     def _check_csa_indexer(self, has_csa_indexer: bool) -> None:
-        """The CSA lightning indexer ropes its trailing channels; its KL loss is not built yet."""
+        """The CSA lightning indexer ropes its trailing channels."""
         if not has_csa_indexer:
             return
         if self.dsa_index_head_dim < self.qk_pos_emb_head_dim:
@@ -304,13 +303,6 @@ class ModelConfig(Section):
                 self.dsa_index_head_dim,
                 f">= qk_pos_emb_head_dim ({self.qk_pos_emb_head_dim})",
                 "the indexer ropes its trailing qk_pos_emb_head_dim channels",
-            )
-        if self.dsa_indexer_loss_coeff or self.dsa_indexer_use_sparse_loss:
-            not_yet(
-                "dsa_indexer_loss_coeff",
-                self.dsa_indexer_loss_coeff,
-                "training the CSA indexer with its KL loss",
-                "set `dsa_indexer_loss_coeff: 0.0` and `dsa_indexer_use_sparse_loss: false` for now",
             )
 
     def _check_dsa_index_width(self) -> None:
@@ -332,27 +324,40 @@ class ModelConfig(Section):
             )
 
     def _check_indexer_phases(self, has_mla: bool, has_csa_indexer: bool) -> None:
-        """PaddleFleet's phase rules for the DSA indexer of -2 layers (warm-up vs sparse, train_indexer_only)."""
+        """PaddleFleet's phase rules for the indexers: the KL needs one (a CSA lightning indexer or the DSA
+        indexer of mqa_dsa -2 layers); the phase switch is the -2 layers' (CSA layers always train over their
+        top-k picks); ``train_indexer_only`` is the warm-up (dense phase for -2 layers, a positive coefficient)."""
         mqa_dsa = has_mla and self.hybrid_mla_attention == "mqa_dsa"
         coeff, sparse = self.dsa_indexer_loss_coeff, self.dsa_indexer_use_sparse_loss
         if mqa_dsa:
             self._check_dsa_index_width()
-        elif not has_csa_indexer and (coeff > 0 or sparse):
-            key, value = ("dsa_indexer_loss_coeff", coeff) if coeff > 0 else ("dsa_indexer_use_sparse_loss", sparse)
+        elif not has_csa_indexer and coeff > 0:
             fail(
-                key,
-                value,
-                "0.0 / false unless an indexer exists (a -2 layer with hybrid_mla_attention: mqa_dsa)",
-                "set `hybrid_mla_attention: mqa_dsa` with a -2 layer, or remove the key",
+                "dsa_indexer_loss_coeff",
+                coeff,
+                "0.0 unless an indexer exists (a CSA layer without csa_dense_mode, or a -2 layer with "
+                "hybrid_mla_attention: mqa_dsa)",
+                "add a CSA entry (2..127) to csa_compress_ratios, set `hybrid_mla_attention: mqa_dsa` with a -2 "
+                "layer, or remove the key",
+            )
+        if sparse and not mqa_dsa:
+            fail(
+                "dsa_indexer_use_sparse_loss",
+                sparse,
+                "false unless an indexer exists that has phases (a -2 layer with hybrid_mla_attention: mqa_dsa; "
+                "CSA layers always train their indexer over its top-k picks)",
+                "remove the key, or set `hybrid_mla_attention: mqa_dsa` with a -2 layer",
             )
         if not self.train_indexer_only:
             return
-        if not mqa_dsa:
+        if not (mqa_dsa or has_csa_indexer):
             fail(
                 "train_indexer_only",
                 True,
-                "true only with a -2 layer under hybrid_mla_attention: mqa_dsa (the indexer it trains)",
-                "set `hybrid_mla_attention: mqa_dsa` on a model with -2 layers, or `train_indexer_only: false`",
+                "true only with a -2 layer under hybrid_mla_attention: mqa_dsa or a CSA layer without "
+                "csa_dense_mode (the indexers it trains)",
+                "add a CSA layer or set `hybrid_mla_attention: mqa_dsa` on a model with -2 layers, or "
+                "`train_indexer_only: false`",
             )
         if sparse:
             fail(

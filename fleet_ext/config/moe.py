@@ -31,6 +31,22 @@ class MoEConfig(Section):
     moe_n_hash_layers: int = _key(
         3, "The first N MoE layers route by a frozen token-id -> experts table.", domain=NON_NEGATIVE
     )
+    # DeepSeek-V3/V3.2 node-limited routing, under the names PaddleFleet and transformers use (Megatron-core:
+    # moe_router_num_groups / moe_router_group_topk, refused with these names). The group score is the sum of
+    # the group's two largest biased scores (DeepSeek-V3 / transformers; Megatron sums the top k / topk_group).
+    n_group: int = _key(
+        1,
+        "Expert groups of the learned routers' group-limited top-k (DeepSeek-V3); 1: no group limit.",
+        domain=POSITIVE,
+        fix="use 1 (DeepSeek-V4) or 8 (DeepSeek-V3/V3.2)",
+    )
+    topk_group: int = _key(
+        1,
+        "Groups each token may route to: those with the largest sum of their two best biased scores; the "
+        "top-k then picks among their experts. Ignored when n_group is 1.",
+        domain=POSITIVE,
+        fix="use 4 as DeepSeek-V3/V3.2 (with n_group 8)",
+    )
     swiglu_limit: float = _key(
         10.0,
         "Clamp of the SwiGLU gate (max) and up (both sides); 0 disables.",
@@ -58,4 +74,29 @@ class MoEConfig(Section):
                 self.num_experts_per_tok,
                 f"<= n_routed_experts ({self.n_routed_experts})",
                 "route to fewer experts or add experts",
+            )
+        self._check_groups()
+
+    def _check_groups(self) -> None:
+        """Group-limited top-k: whole groups, >= 2 experts each (the group score sums two), enough experts."""
+        if self.n_group == 1:
+            return
+        per_group = self.n_routed_experts // self.n_group
+        if self.n_routed_experts % self.n_group or per_group < 2:
+            fail(
+                "n_group",
+                self.n_group,
+                f"1 or a divisor of n_routed_experts ({self.n_routed_experts}) leaving >= 2 experts per group "
+                "(the group score sums the group's two best scores)",
+                "use fewer groups (DeepSeek-V3: 8 groups of 32 experts)",
+            )
+        if self.topk_group > self.n_group:
+            fail("topk_group", self.topk_group, f"<= n_group ({self.n_group})", "keep fewer groups per token")
+        if self.num_experts_per_tok > self.topk_group * per_group:
+            fail(
+                "topk_group",
+                self.topk_group,
+                f">= num_experts_per_tok / experts per group = {self.num_experts_per_tok} / {per_group} "
+                "(the kept groups must hold num_experts_per_tok experts)",
+                "keep more groups per token or route to fewer experts",
             )

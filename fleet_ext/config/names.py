@@ -30,6 +30,8 @@ RENAMED_KEYS: dict[str, str] = {
     "score_func": "scoring_func",
     "n_activated_experts": "num_experts_per_tok",
     "moe_inter_dim": "moe_intermediate_size",
+    "moe_router_num_groups": "n_group",  # Megatron-core's names of DeepSeek-V3's group-limited routing
+    "moe_router_group_topk": "topk_group",
     "mtp_num_layers": "num_nextn_predict_layers",
     "csa_train_indexer_only": "train_indexer_only",
     "kv_lora_rank": "hybrid_mla_kv_lora_rank",  # HF DeepSeek-V3.2 / PaddleFleet plain MLA names: -2 layers here

@@ -27,6 +27,12 @@ class TrainingConfig(Section):
         "Training tokens: 'builtin' (the shipped public-domain corpus, byte tokens) or a token file made by "
         "`python -m fleet_ext.training.data` (memory-mapped).",
     )
+    model_name_or_path: str | None = _key(
+        None,
+        "Hugging Face DeepSeek-V4 or DeepSeek-V3.2 directory (config.json + *.safetensors) to start from: its "
+        "config.json sets the architecture keys (replacing the YAML's), its weights are loaded before the first "
+        "step; null: random initialisation.",
+    )
     eval_dataset_path: str | None = _key(
         None, "Held-out token file; null holds out the last eval_split_ratio of the training tokens."
     )
@@ -91,6 +97,13 @@ class TrainingConfig(Section):
         for key in ("output_dir", "train_dataset_path"):
             if not getattr(self, key).strip():
                 fail(key, getattr(self, key), "a non-empty path", f"set `{key}`")
+        if self.model_name_or_path is not None and not self.model_name_or_path.strip():
+            fail(
+                "model_name_or_path",
+                self.model_name_or_path,
+                "null or a Hugging Face checkpoint directory",
+                "use null to start from random weights",
+            )
         if self.eval_dataset_path is not None and not self.eval_dataset_path.strip():
             fail("eval_dataset_path", self.eval_dataset_path, "null or a token file", "use null to hold out a split")
         if self.eval_iters and self.eval_dataset_path is None and self.eval_split_ratio == 0.0:

@@ -23,7 +23,7 @@ from fleet_ext.config.fusion import FusionConfig
 from fleet_ext.config.model import ModelConfig
 from fleet_ext.config.moe import MoEConfig
 from fleet_ext.config.names import PADDLEFLEET_ONLY_KEYS, RENAMED_KEYS, absent_key_message, renamed_key_message
-from fleet_ext.config.parallel import ParallelConfig
+from fleet_ext.config.parallel import ParallelConfig, check_context_parallel, check_expert_parallel
 from fleet_ext.config.recompute import RecomputeConfig, recompute_plan
 from fleet_ext.config.training import TrainingConfig
 
@@ -103,6 +103,8 @@ class FleetExtConfig:
                 "shorten the sequences or raise max_position_embeddings",
             )
 
+        check_context_parallel(m, t.max_seq_len, self.parallel.context_parallel_size)
+        check_expert_parallel(moe, self.parallel.expert_model_parallel_size)
         recompute_plan(self)  # recompute against the model: layer counts, which layers have each module
 
         from fleet_ext.registry import config_errors  # no Paddle import; registry reads this config duck-typed

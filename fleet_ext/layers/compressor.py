@@ -6,6 +6,11 @@ first half, one softmax over the ``2 * ratio`` slots per channel (the first bloc
 are empty). Entries are RMS-normalised and roped at their block's first global position (from the
 sequence layout). Tokens past the last full block get no entry: the sliding window covers them. The
 layer kind (``fleet_ext.layer_kinds``) says the rate, whether blocks overlap, and the RoPE.
+
+Context parallelism: each rank compresses the blocks of its own chunk (the layout's first position is a
+multiple of the rate). An overlapping compressor's first block also needs the previous block's projected
+first half: it comes from the previous rank as a halo of ``ratio`` rows of kv and score (2 x ratio x head_dim
+values), not the raw hidden states.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from fleet_ext.framework.layer import FleetLayer, normal_init
 from fleet_ext.layer_kinds import LayerAttention
 from fleet_ext.layers.norm import RMSNorm
 from fleet_ext.layers.rope import RotaryTable
+from fleet_ext.parallel.cp_collectives import halo_from_previous
 from fleet_ext.parallel.layout import SequenceLayout
 
 
@@ -48,11 +54,8 @@ class Compressor(FleetLayer):
         self._rope = rope_apply
 
     def forward(self, x: paddle.Tensor, layout: SequenceLayout) -> paddle.Tensor:
-        """x [b, s_local, D] at the layout's positions -> entries [b, s_local // ratio, head_dim].
-
-        On a sequence shard, an overlapping (CSA) compressor's first entry would also need the previous
-        rank's last block: context parallelism must hand it over (the layers refuse shards until then).
-        """
+        """x [b, s_local, D] at the layout's positions -> this rank's entries [b, s_local // ratio, head_dim]
+        (entry i pools the layout's block ``offset / ratio + i``)."""
         batch, seq, _ = x.shape
         layout.check_input("Compressor", "x", seq)
         if layout.offset % self.ratio:
@@ -67,18 +70,27 @@ class Compressor(FleetLayer):
         kv = self.linear_wkv(usable).reshape([batch, n_comp, self.ratio, -1])
         score = self.linear_wgate(usable).reshape([batch, n_comp, self.ratio, -1]).astype("float32") + self.ape
         if self.overlap:
-            kv, score = self._overlap(kv, score)
+            kv, score = self._overlap(kv, score, layout)
         weights = paddle.nn.functional.softmax(score, axis=2).astype(kv.dtype)
         pooled = self.norm((kv * weights).sum(axis=2))
         cos, sin = self.rope_table.cos_sin(range(layout.offset, layout.offset + n_comp * self.ratio, self.ratio))
         return self._rope(pooled, cos, sin)
 
-    def _overlap(self, kv: paddle.Tensor, score: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
-        """[b, n, r, 2d] -> [b, n, 2r, d]: previous block's first half, then this block's second half."""
+    def _overlap(
+        self, kv: paddle.Tensor, score: paddle.Tensor, layout: SequenceLayout
+    ) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """[b, n, r, 2d] -> [b, n, 2r, d]: previous block's first half, then this block's second half.
+
+        The block before the sequence's first is empty (kv 0, score -inf); on a shard it is the previous rank's
+        last block (the first rank of the group receives the empty block)."""
         batch, n_comp, ratio, _ = kv.shape
         d = self.head_dim
-        empty_kv = paddle.zeros([batch, 1, ratio, d], dtype=kv.dtype)
-        empty_score = paddle.full([batch, 1, ratio, d], float("-inf"), dtype=score.dtype)
+        if layout.cp_size > 1:
+            empty_kv = halo_from_previous(kv[:, -1:, :, :d], 1, layout)
+            empty_score = halo_from_previous(score[:, -1:, :, :d], 1, layout, fill=float("-inf"))
+        else:
+            empty_kv = paddle.zeros([batch, 1, ratio, d], dtype=kv.dtype)
+            empty_score = paddle.full([batch, 1, ratio, d], float("-inf"), dtype=score.dtype)
         prev_kv = paddle.concat([empty_kv, kv[:, : n_comp - 1, :, :d]], axis=1)
         prev_score = paddle.concat([empty_score, score[:, : n_comp - 1, :, :d]], axis=1)
         return (

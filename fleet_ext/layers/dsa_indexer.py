@@ -13,6 +13,14 @@ Query t sees keys j <= t. The sparse phase keeps the top ``dsa_index_topk`` keys
 ``dsa_indexer_force_window``, the last ``csa_window_size`` keys (the top-k then picks among the older ones,
 PaddleFleet's ``valid_range``); ``-1`` marks an empty slot.
 
+Causal scoring: a block of queries ending at global position ``end - 1`` never sees keys at or past ``end``, so it
+is scored against keys ``0 .. causal_key_count(end) - 1`` only (``end`` rounded up to a multiple of
+``KEY_ALIGN``, where the CPU GEMM gives the same bits as the columns of the all-keys product; pinned in
+``tests/single_card_tests/test_dsa_indexer.py``); the top-k still runs on full-width rows (``indexer_topk``).
+Without context parallelism the block is the whole sequence and nothing changes; under it the scoring grows with
+the rank (the last one scores the most), which the dual-chunk rebalance of ``MQALatentAttention`` evens out.
+``SCORE_ENTRIES`` counts the entries scored (queries x keys).
+
 Training (§6.3): the indexer's inputs are detached, so the LM loss never reaches it and its KL loss never reaches
 the backbone. The KL target is the main attention's probabilities summed over heads, L1-normalised over the
 candidate set (the whole causal set in the warm-up, the top-k picks in the sparse phase); the student is the
@@ -22,6 +30,7 @@ output: the forward value is unchanged, the backward adds the loss gradient (Meg
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import paddle
@@ -30,20 +39,44 @@ from paddle.autograd import PyLayer
 from fleet_ext.config import ModelConfig
 from fleet_ext.framework.layer import FleetLayer, normal_init
 from fleet_ext.layers.index_tables import window_index_table
+from fleet_ext.parallel.cp_collectives import sum_over_sequence
 from fleet_ext.parallel.layout import SequenceLayout
 
 __all__ = [
+    "KEY_ALIGN",
+    "SCORE_ENTRIES",
     "DSAIndexer",
     "DSAIndexerLossAutoScaler",
+    "causal_key_count",
     "dsa_index_table",
     "gather_rows",
     "hadamard_transform",
     "indexer_kl_loss",
     "indexer_rope",
+    "indexer_topk",
+    "topk_width",
+    "with_forced_window",
 ]
 
 # Finite stand-in for -inf in the student logits: keeps log-softmax and its gradient NaN-free on empty rows.
 _MASKED_LOGIT = -1.0e30
+# Scored key counts are rounded up to this: the CPU fp32 GEMM's columns then carry the bits of the all-keys
+# product (a count off the multiple of 8 can fall into another remainder block and round differently).
+KEY_ALIGN = 8
+# Index-score entries computed (batch x queries x keys): "causal" by DSAIndexer.scores (the dense causal
+# scoring, the part that is unbalanced under context parallelism), "picked" by DSAIndexer.gathered_scores.
+SCORE_ENTRIES: collections.Counter = collections.Counter()
+
+
+def causal_key_count(end: int, n_keys: int) -> int:
+    """How many leading keys (of ``n_keys``) a block of queries ending before global position ``end`` is scored
+    against: ``end`` rounded up to a multiple of ``KEY_ALIGN``, at most ``n_keys``."""
+    return min(n_keys, -(-end // KEY_ALIGN) * KEY_ALIGN)
+
+
+def topk_width(topk: int, window: int, n_keys: int) -> int:
+    """``k_top``: the indexer's picks per query, ``min(topk, max(0, n_keys - window))`` (``n_keys`` global)."""
+    return min(topk, max(0, n_keys - window))
 
 
 def hadamard_transform(x: paddle.Tensor) -> paddle.Tensor:
@@ -103,40 +136,69 @@ def gather_rows(rows: paddle.Tensor, idx: paddle.Tensor) -> paddle.Tensor:
     )
 
 
+def indexer_topk(scores: paddle.Tensor, first_row: int, k_top: int, window: int, n_keys: int) -> paddle.Tensor:
+    """The top ``k_top`` candidate keys [b, rows, k_top] (int32, best first, -1 empty) of a block of queries.
+
+    ``scores`` [b, rows, n]: queries at global positions ``first_row ..`` against keys ``0 .. n - 1`` of the
+    ``n_keys`` (n past the block's last query: every later key is in the future of every row). The candidates
+    of query t are ``j <= t - window``. The top-k runs on the ``n_keys``-wide row, the unscored keys ``-inf``:
+    Paddle's CPU top-k (``nth_element`` unless k is tiny) breaks ties between equal scores (ReLU makes exact
+    zeros common) differently on a shorter row, so only the full width gives the whole-sequence picks.
+    """
+    batch, rows, scored = scores.shape
+    if not first_row + rows <= scored <= n_keys:
+        raise ValueError(
+            f"indexer_topk: queries {first_row}..{first_row + rows - 1} need the scores of keys 0 up to their last "
+            f"position (at most {n_keys}), got {scored} keys (`scores` {scores.shape})"
+        )
+    if scored < n_keys:
+        pad = paddle.full([batch, rows, n_keys - scored], float("-inf"), dtype=scores.dtype)
+        scores = paddle.concat([scores, pad], axis=-1)
+    queries = paddle.arange(first_row, first_row + rows, dtype="int64")
+    last_candidate = (queries - window).reshape([1, rows, 1])  # j <= t - window
+    keys = paddle.arange(n_keys, dtype="int64").reshape([1, 1, n_keys])
+    masked = paddle.where(keys <= last_candidate, scores, paddle.full_like(scores, float("-inf")))
+    top = paddle.topk(masked, k=k_top, axis=-1).indices
+    return paddle.where(top <= last_candidate, top, paddle.full_like(top, -1)).astype("int32")
+
+
+def with_forced_window(picks: paddle.Tensor | None, window: int, layout: SequenceLayout, batch: int) -> paddle.Tensor:
+    """The sparse-phase table of this rank's queries: ``picks`` [b, s, k_top] (None when ``k_top`` is 0), then
+    the forced window ``t - W + 1 .. t`` (``min(window, S)`` columns, when ``window``)."""
+    if picks is None and not window:
+        raise ValueError("with_forced_window: no picks and no window: the table would be empty")
+    parts = [] if picks is None else [picks]
+    if window:
+        table = window_index_table(layout, min(window, layout.global_len))
+        parts.append(table.unsqueeze(0).expand([batch, layout.local_len, table.shape[1]]).astype("int32"))
+    return paddle.concat(parts, axis=-1)
+
+
 def dsa_index_table(
     scores: paddle.Tensor, topk: int, window: int, layout: SequenceLayout | None = None
 ) -> tuple[paddle.Tensor, int]:
     """Sparse-phase KV table [b, s, k_top + min(window, S)] (int32, -1 invalid) and k_top.
 
-    ``scores`` [b, s, S]: this rank's s queries (global positions t from ``layout``, default the whole
-    sequence) against all S keys. Columns ``[:k_top]``: the indexer's top ``k_top = min(topk, max(0, S - window))``
-    keys among the candidates j <= t - window (all j <= t when ``window`` is 0), best first; then the forced
-    window t-W+1 .. t.
+    ``scores`` [b, s, n]: this rank's s queries (global positions t from ``layout``, default the whole
+    sequence) against the first n of the S keys, ``layout.end <= n <= S`` (``causal_key_count``; keys past n
+    are in the future of every query). Columns ``[:k_top]``: the indexer's top
+    ``k_top = min(topk, max(0, S - window))`` keys among the candidates j <= t - window (all j <= t when
+    ``window`` is 0), best first; then the forced window t-W+1 .. t.
     """
     if scores.ndim != 3:
-        raise ValueError(f"dsa_index_table: `scores` must be [b, s, S], got shape {scores.shape}")
+        raise ValueError(f"dsa_index_table: `scores` must be [b, s, n], got shape {scores.shape}")
     layout = layout or SequenceLayout.whole(scores.shape[1])
-    if [scores.shape[1], scores.shape[2]] != [layout.local_len, layout.global_len]:
+    if scores.shape[1] != layout.local_len or not layout.end <= scores.shape[2] <= layout.global_len:
         raise ValueError(
-            f"dsa_index_table: `scores` must be [b, {layout.local_len}, {layout.global_len}] for the layout "
-            f"{layout}, got shape {scores.shape}"
+            f"dsa_index_table: `scores` must be [b, {layout.local_len}, {layout.global_len}] for the layout {layout} "
+            f"(or [b, {layout.local_len}, n], {layout.end} <= n: the keys before the chunk's end), got shape "
+            f"{scores.shape}"
         )
     if topk <= 0 or window < 0:
         raise ValueError(f"dsa_index_table: need topk > 0 and window >= 0, got topk={topk}, window={window}")
-    batch, seq, n_keys = scores.shape
-    queries = paddle.arange(layout.offset, layout.end, dtype="int64")
-    last_candidate = (queries - window).reshape([1, seq, 1])  # j <= t - window
-    k_top = min(topk, max(0, n_keys - window))
-    parts = []
-    if k_top:
-        keys = paddle.arange(n_keys, dtype="int64").reshape([1, 1, n_keys])
-        masked = paddle.where(keys <= last_candidate, scores, paddle.full_like(scores, float("-inf")))
-        top = paddle.topk(masked, k=k_top, axis=-1).indices
-        parts.append(paddle.where(top <= last_candidate, top, paddle.full_like(top, -1)).astype("int32"))
-    if window:
-        table = window_index_table(layout, min(window, n_keys))
-        parts.append(table.unsqueeze(0).expand([batch, seq, table.shape[1]]).astype("int32"))
-    return paddle.concat(parts, axis=-1), k_top
+    k_top = topk_width(topk, window, layout.global_len)
+    picks = indexer_topk(scores, layout.offset, k_top, window, layout.global_len) if k_top else None
+    return with_forced_window(picks, window, layout, scores.shape[0]), k_top
 
 
 def indexer_kl_loss(
@@ -145,8 +207,12 @@ def indexer_kl_loss(
     attn_lse: paddle.Tensor,
     valid: paddle.Tensor,
     row_mask: paddle.Tensor | None = None,
+    layout: SequenceLayout | None = None,
 ) -> paddle.Tensor:
     """Mean over kept rows of ``KL(target || softmax(index_logits))`` on each row's candidate set.
+
+    Under context parallelism (``layout``) this rank's rows are summed and divided by the kept rows of the
+    whole sequence, so the ranks' values add up to the sequence's mean (and so do their gradients).
 
     index_logits [b, s, K] (the indexer scores, differentiable); attn_logits [b, s, h, K] (scaled main-attention
     logits) and attn_lse [b, s, h] (its sink-inclusive log-sum-exp) give the per-head probabilities, summed over
@@ -168,7 +234,8 @@ def indexer_kl_loss(
     log_student = logits - paddle.logsumexp(logits, axis=-1, keepdim=True)
     terms = paddle.where(positive, target * (log_target - log_student), paddle.zeros_like(log_student))
     per_row = terms.sum(axis=-1)
-    return (per_row * keep).sum() / paddle.clip(keep.sum(), min=1.0)
+    kept_rows = keep.sum() if layout is None else sum_over_sequence(keep.sum(), layout)
+    return (per_row * keep).sum() / paddle.clip(kept_rows, min=1.0)
 
 
 class DSAIndexerLossAutoScaler(PyLayer):
@@ -230,14 +297,20 @@ class DSAIndexer(FleetLayer):
         return q, k, w
 
     @staticmethod
-    def scores(q: paddle.Tensor, k: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
-        """All-pairs index scores [b, s, s_k] (no causal mask): ``sum_h w * ReLU(q_h . k)``."""
-        logits = paddle.matmul(q, k.unsqueeze(1), transpose_y=True)  # [b, s, h, s_k]
+    def scores(q: paddle.Tensor, k: paddle.Tensor, w: paddle.Tensor, end: int | None = None) -> paddle.Tensor:
+        """Index scores [b, s, n] (no causal mask): ``sum_h w * ReLU(q_h . k)`` of the s queries against the
+        first ``n = causal_key_count(end, s_k)`` keys (all ``s_k`` when ``end`` is None); ``end``: one past the
+        queries' last global position (no query sees a key from there on)."""
+        if end is not None and causal_key_count(end, k.shape[1]) < k.shape[1]:
+            k = k[:, : causal_key_count(end, k.shape[1])]
+        SCORE_ENTRIES["causal"] += q.shape[0] * q.shape[1] * k.shape[1]
+        logits = paddle.matmul(q, k.unsqueeze(1), transpose_y=True)  # [b, s, h, n]
         return (paddle.nn.functional.relu(logits) * w.unsqueeze(-1)).sum(axis=2)
 
     @staticmethod
     def gathered_scores(q: paddle.Tensor, k: paddle.Tensor, w: paddle.Tensor, idx: paddle.Tensor) -> paddle.Tensor:
         """Index scores [b, s, K] of the keys in idx [b, s, K] (-1 slots hold garbage; mask them)."""
+        SCORE_ENTRIES["picked"] += idx.shape[0] * idx.shape[1] * idx.shape[2]
         keys = gather_rows(k, idx)  # [b, s, K, d]
         logits = paddle.matmul(q, keys, transpose_y=True)  # [b, s, h, K]
         return (paddle.nn.functional.relu(logits) * w.unsqueeze(-1)).sum(axis=2)

@@ -41,6 +41,7 @@ class DSv4HybridSelfAttention(FleetLayer):
         self.heads, self.head_dim = m.num_attention_heads, m.v_head_dim
         self.groups, self.o_lora_rank = m.o_groups, m.o_lora_rank
         self.eps = m.rms_norm_eps
+        self.pad_token_id = m.pad_token_id
         self.ops = ops
         std = m.init_method_std
         self.linear_q_down_proj = paddle.nn.Linear(
@@ -67,8 +68,19 @@ class DSv4HybridSelfAttention(FleetLayer):
         )
         self.rope_table = RotaryTable.for_spec(attention.rope)
 
-    def forward(self, hidden_states: paddle.Tensor, layout: SequenceLayout | None = None) -> paddle.Tensor:
-        """``layout``: which global positions ``hidden_states`` holds (default: the whole sequence)."""
+    @property
+    def indexer_loss(self) -> paddle.Tensor | None:
+        """Detached CSA indexer KL (before ``dsa_indexer_loss_coeff``) of the last training forward, else None."""
+        return self.core_attention.indexer_loss
+
+    def forward(
+        self,
+        hidden_states: paddle.Tensor,
+        input_ids: paddle.Tensor | None = None,
+        layout: SequenceLayout | None = None,
+    ) -> paddle.Tensor:
+        """``layout``: which global positions ``hidden_states`` holds (default: the whole sequence).
+        ``input_ids`` [b, s] (optional): rows holding ``pad_token_id`` are skipped by the CSA indexer KL."""
         if hidden_states.ndim != 3 or hidden_states.shape[-1] != self.linear_q_down_proj.weight.shape[0]:
             raise ValueError(
                 f"DSv4HybridSelfAttention: `hidden_states` must be [b, s, {self.linear_q_down_proj.weight.shape[0]}], "
@@ -76,7 +88,6 @@ class DSv4HybridSelfAttention(FleetLayer):
             )
         batch, seq, _ = hidden_states.shape
         layout = SequenceLayout.resolve(layout, "DSv4HybridSelfAttention", "hidden_states", seq)
-        layout.require_whole("DSv4HybridSelfAttention")
         q_latent = self.q_layernorm(self.linear_q_down_proj(hidden_states))
         q = self.linear_q_up_proj(q_latent).reshape([batch, seq, self.heads, self.head_dim])
         q = self.ops.q_rms_norm(q, self.eps)
@@ -84,7 +95,9 @@ class DSv4HybridSelfAttention(FleetLayer):
         cos, sin = self.rope_table.cos_sin(layout.positions())
         q = self.ops.rope(q, cos, sin)
         kv = self.ops.rope(kv, cos, sin)
-        out = maybe_checkpointed(self.recompute_core, self.core_attention, q, kv, hidden_states, q_latent, layout)
+        core = self.core_attention
+        loss_mask = input_ids != self.pad_token_id if input_ids is not None and core.loss_coeff > 0 else None
+        out = maybe_checkpointed(self.recompute_core, core, q, kv, hidden_states, q_latent, layout, loss_mask)
         if self._fuse_postmix:
             out = maybe_checkpointed(self.recompute_postmix, self._inv_rope_postmix, out, cos, sin)
         else:

@@ -30,6 +30,7 @@ from fleet_ext.layers import index_tables
 from fleet_ext.layers.mqa_latent_attention import MQALatentAttention
 from fleet_ext.layers.norm import RMSNorm
 from fleet_ext.layers.rope import RotaryTable
+from fleet_ext.parallel.cp_collectives import gather_sequence
 from fleet_ext.parallel.layout import SequenceLayout
 from fleet_ext.parallel.recompute import maybe_checkpointed
 
@@ -121,7 +122,9 @@ class MLASelfAttention(FleetLayer):
         self.rope_table, self._cos_sin_factor, softmax_factor = hybrid_mla_rope(m, attention.rope)
         self.softmax_scale = (self.nope + self.rope_dim) ** -0.5 * softmax_factor
         self.core_attention = (
-            None if self.mode == "mha" else MQALatentAttention(m, ops.mqa_sparse_attn, self.softmax_scale)
+            None if self.mode == "mha" else MQALatentAttention(
+                m, ops.mqa_sparse_attn, self.softmax_scale, config.parallel.mqa_indexer_cp_mode
+            )
         )
 
     # -- pieces shared by every mode --------------------------------------------------------------------
@@ -160,9 +163,7 @@ class MLASelfAttention(FleetLayer):
                 f"MLASelfAttention: `hidden_states` must be [b, s, {width}], got shape {hidden_states.shape}"
             )
         seq = hidden_states.shape[1]
-        layout = SequenceLayout.resolve(layout, "MLASelfAttention", "hidden_states", seq)
-        layout.require_whole("MLASelfAttention")
-        return layout
+        return SequenceLayout.resolve(layout, "MLASelfAttention", "hidden_states", seq)
 
     def _sink(self) -> paddle.Tensor:
         if self.attn_sink is not None:
@@ -189,7 +190,8 @@ class MLASelfAttention(FleetLayer):
             out = maybe_checkpointed(self.recompute_core, self._dense_mla, q_nope, q_pe, c_kv, k_pe, layout)
         else:
             query = maybe_checkpointed(self.recompute_up_proj, self._absorb, q_nope, q_pe)
-            key = paddle.concat([c_kv, k_pe.astype(c_kv.dtype)], axis=-1)
+            # Context parallelism: queries stay local, the latent keys of the whole sequence are all-gathered.
+            key = gather_sequence(paddle.concat([c_kv, k_pe.astype(c_kv.dtype)], axis=-1), layout)
             latent = maybe_checkpointed(
                 self.recompute_core, self.core_attention,
                 query, key, self._sink(), hidden_states, q_latent, cos, sin, loss_mask, layout,
@@ -215,10 +217,13 @@ class MLASelfAttention(FleetLayer):
         return out.reshape([self.heads, batch, seq, self.v_dim]).transpose([1, 2, 0, 3])
 
     def _dense_mla(self, q_nope, q_pe, c_kv, k_pe, layout: SequenceLayout) -> paddle.Tensor:
-        """Reference causal MLA with per-head keys and values: [b, s, h, v]."""
+        """Reference causal MLA with per-head keys and values: [b, s, h, v] (keys of the whole sequence: the
+        latent ``c_kv`` and ``k_pe`` are all-gathered under context parallelism, then up-projected)."""
         batch, seq = q_nope.shape[0], q_nope.shape[1]
-        kv = self.linear_kv_up_proj(c_kv).reshape([batch, seq, self.heads, self.nope + self.v_dim])
-        k_pe = k_pe.unsqueeze(2).expand([batch, seq, self.heads, self.rope_dim])
+        c_kv, k_pe = gather_sequence(c_kv, layout), gather_sequence(k_pe, layout)
+        keys = c_kv.shape[1]
+        kv = self.linear_kv_up_proj(c_kv).reshape([batch, keys, self.heads, self.nope + self.v_dim])
+        k_pe = k_pe.unsqueeze(2).expand([batch, keys, self.heads, self.rope_dim])
         key = paddle.concat([kv[..., : self.nope], k_pe.astype(kv.dtype)], axis=-1).transpose([0, 2, 1, 3])
         query = paddle.concat([q_nope, q_pe.astype(q_nope.dtype)], axis=-1).transpose([0, 2, 1, 3])
         value = kv[..., self.nope :].transpose([0, 2, 1, 3])  # [b, h, s, v]
@@ -227,7 +232,7 @@ class MLASelfAttention(FleetLayer):
         logits = paddle.where(causal, logits, paddle.full_like(logits, float("-inf")))
         if self.attn_sink is not None:
             sink = self.attn_sink.reshape([1, self.heads, 1, 1]).expand([batch, self.heads, seq, 1])
-            probs = paddle.nn.functional.softmax(paddle.concat([logits, sink], axis=-1), axis=-1)[..., :seq]
+            probs = paddle.nn.functional.softmax(paddle.concat([logits, sink], axis=-1), axis=-1)[..., :keys]
         else:
             probs = paddle.nn.functional.softmax(logits, axis=-1)
         out = paddle.matmul(probs, value.astype("float32")).astype(q_nope.dtype)

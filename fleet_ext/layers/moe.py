@@ -13,14 +13,20 @@ Parameter names (stable, Megatron style, Paddle [in, out] layout):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import paddle
 import paddle.nn.functional as F
 from paddle.autograd import PyLayer
 
+from fleet_ext.framework.contracts import MoEOps
 from fleet_ext.framework.layer import FleetLayer
 from fleet_ext.layers.mlp import SwiGLUMLP, check_hidden, clamped_swiglu
+from fleet_ext.ops.moe_permute import reference as permute_reference
+from fleet_ext.parallel.cp_collectives import sum_over_sequence
+from fleet_ext.parallel.expert_parallel import ExpertParallelGroup, combine_rows, dispatch_rows, exchange_counts
+from fleet_ext.parallel.layout import SequenceLayout
 from fleet_ext.parallel.recompute import maybe_checkpointed, recording, replayed
 
 __all__ = [
@@ -65,19 +71,29 @@ def gather_routing_weights(
 
 
 def sequence_aux_loss(
-    scores: paddle.Tensor, indices: paddle.Tensor, batch: int, seq: int, coeff: float
+    scores: paddle.Tensor,
+    indices: paddle.Tensor,
+    batch: int,
+    seq: int,
+    coeff: float,
+    layout: SequenceLayout | None = None,
 ) -> paddle.Tensor:
     """DeepSeek-V3 sequence-wise balance loss ``coeff * mean_b sum_i f_i P_i``.
 
     f_i = E / (k S) * (tokens of the sequence routed to i) is a constant; P_i = mean over the
-    sequence of s_i / sum_j s_j carries the gradient into the router.
+    sequence of s_i / sum_j s_j carries the gradient into the router. Under context parallelism (``layout``)
+    this rank holds ``seq`` of the sequence's S tokens: the routed counts are summed over the group, and P_i
+    sums this rank's tokens over S, so the ranks' losses (and gradients) add up to the whole sequence's.
     """
-    num_experts, topk = scores.shape[-1], indices.shape[-1]
+    layout = layout or SequenceLayout.whole(seq)
+    num_experts, topk, total = scores.shape[-1], indices.shape[-1], layout.global_len
     probs = scores / (scores.sum(axis=-1, keepdim=True) + _NORM_EPS)
-    p_mean = probs.reshape([batch, seq, num_experts]).mean(axis=1)
+    probs = probs.reshape([batch, seq, num_experts])
+    p_mean = probs.mean(axis=1) if layout.cp_size == 1 else probs.sum(axis=1) / total
     with paddle.no_grad():
         counts = F.one_hot(indices, num_experts).astype(scores.dtype).sum(axis=1)
-        f = counts.reshape([batch, seq, num_experts]).sum(axis=1) * (num_experts / (topk * seq))
+        counts = sum_over_sequence(counts.reshape([batch, seq, num_experts]).sum(axis=1), layout)
+        f = counts * (num_experts / (topk * total))
     return (f * p_mean).sum(axis=-1).mean() * coeff
 
 
@@ -127,6 +143,7 @@ class _RouterBase(FleetLayer):
             dtype="float32",
             default_initializer=paddle.nn.initializer.Normal(mean=0.0, std=config.model.init_method_std),
         )
+        self.fused_route: Callable | None = None  # `moe_router_fusion`'s kernel, set by MoELayer from its ops
         # Selections per expert since the last bias update (not saved: a step-local statistic).
         self.register_buffer(
             "local_tokens_per_expert", paddle.zeros([self.num_experts], dtype="float32"), persistable=False
@@ -137,15 +154,22 @@ class _RouterBase(FleetLayer):
         flat = hidden_states.reshape([-1, self.hidden_size]).astype("float32")
         return router_scores(paddle.matmul(flat, self.weight, transpose_y=True), self.scoring_func)
 
-    def _count(self, indices: paddle.Tensor) -> None:
+    def _count(self, indices: paddle.Tensor, counts: paddle.Tensor | None = None) -> None:
+        """Add the selections per expert (``counts``, when the fused router counted them already)."""
         if not self.training:
             return
         with paddle.no_grad():
-            counts = paddle.bincount(indices.reshape([-1]), minlength=self.num_experts)
+            if counts is None:
+                counts = paddle.bincount(indices.reshape([-1]), minlength=self.num_experts)
             self.local_tokens_per_expert.add_(counts[: self.num_experts].astype("float32"))
 
     def _check_hidden(self, hidden_states: Any) -> None:
         check_hidden(type(self).__name__, "hidden_states", hidden_states, self.hidden_size, rank=3)
+
+    def _fused(self, scores: paddle.Tensor, **selection: Any) -> tuple:
+        """(weights, indices, counts) from the fused router (``moe_router_fusion``)."""
+        bias = getattr(self, "expert_bias", None) if not selection else None
+        return self.fused_route(scores, bias, self.topk, self.norm_topk_prob, self.routed_scaling_factor, **selection)
 
     def reset_tokens_per_expert(self) -> None:
         """Zero the selection counts (called after each bias update)."""
@@ -166,35 +190,69 @@ class TopKRouter(_RouterBase):
         self.bias_update_rate = moe.moe_router_bias_update_rate
         self.load_balancing_type = moe.moe_router_load_balancing_type
         self.aux_loss_coeff = moe.moe_aux_loss_coeff
+        self.n_group, self.topk_group = moe.n_group, moe.topk_group  # group-limited top-k (DeepSeek-V3)
         if moe.moe_router_enable_expert_bias:
             self.register_buffer("expert_bias", paddle.zeros([self.num_experts], dtype="float32"), persistable=True)
         else:
             self.expert_bias = None
 
-    def forward(self, hidden_states: paddle.Tensor, input_ids: paddle.Tensor | None = None) -> tuple:
-        """[b, s, D] -> (weights [b*s, k] fp32, indices [b*s, k] int64); ``input_ids`` is ignored."""
+    def forward(
+        self, hidden_states: paddle.Tensor, input_ids: paddle.Tensor | None = None, layout: SequenceLayout | None = None
+    ) -> tuple:
+        """[b, s, D] -> (weights [b*s, k] fp32, indices [b*s, k] int64); ``input_ids`` is ignored; ``layout``
+        (this rank's share of the sequence) scopes the sequence aux loss."""
         self._check_hidden(hidden_states)
         scores = self._scores(hidden_states)
         # Under recompute the re-run replays the forward's experts (routing replay); weights stay
         # differentiable functions of the recomputed scores; counts and the logged aux loss happen once.
-        indices, first = replayed("TopKRouter", lambda: self._select(scores))
-        weights = gather_routing_weights(scores, indices, self.norm_topk_prob, self.routed_scaling_factor)
+        if self.fused_route is None:
+            indices, first = replayed("TopKRouter", lambda: self._select(scores))
+            weights = gather_routing_weights(scores, indices, self.norm_topk_prob, self.routed_scaling_factor)
+            counts = None
+        else:
+            weights, indices, counts, first = self._fused_select(scores)
         if first:
-            self._count(indices)
+            self._count(indices, counts)
             self.aux_loss = None
         if self.load_balancing_type == "seq_aux_loss" and self.training and paddle.is_grad_enabled():
             batch, seq = hidden_states.shape[0], hidden_states.shape[1]
-            aux_loss = sequence_aux_loss(scores, indices, batch, seq, self.aux_loss_coeff)
+            aux_loss = sequence_aux_loss(scores, indices, batch, seq, self.aux_loss_coeff, layout)
             weights = MoEAuxLossAutoScaler.apply(weights, aux_loss, self.aux_loss_backward_scale)
             if first:
                 self.aux_loss = aux_loss.detach()
         return weights, indices
 
     def _select(self, scores: paddle.Tensor) -> paddle.Tensor:
-        """Top-k experts per token by biased score (the bias steers selection only)."""
+        """Top-k experts per token by biased score (the bias steers selection only); with ``n_group`` > 1 only
+        among the experts of the token's ``topk_group`` best groups (DeepSeek-V3's group-limited routing)."""
         with paddle.no_grad():
             biased = scores if self.expert_bias is None else scores + self.expert_bias
+            if self.n_group > 1 and self.topk_group < self.n_group:
+                biased = self._keep_best_groups(biased)
             return paddle.topk(biased, self.topk, axis=-1)[1]
+
+    def _keep_best_groups(self, biased: paddle.Tensor) -> paddle.Tensor:
+        """``biased`` [T, E] with the experts outside each token's ``topk_group`` best groups set to -inf. A
+        group's score is the sum of its two largest biased scores (DeepSeek-V3 and transformers' V3/V3.2 router;
+        Megatron-core sums the top ``k / topk_group`` instead, the same for DeepSeek-V3's 8 / 4)."""
+        grouped = biased.reshape([-1, self.n_group, self.num_experts // self.n_group])
+        group_scores = paddle.topk(grouped, 2, axis=-1)[0].sum(axis=-1)  # [T, n_group]
+        best = paddle.topk(group_scores, self.topk_group, axis=-1)[1]  # [T, topk_group]
+        keep = F.one_hot(best, self.n_group).sum(axis=1) > 0  # [T, n_group]
+        keep = keep.unsqueeze(-1).expand(grouped.shape).reshape(biased.shape)
+        return paddle.where(keep, biased, paddle.full_like(biased, float("-inf")))
+
+    def _fused_select(self, scores: paddle.Tensor) -> tuple:
+        """One fused kernel selects, weighs and counts; a recompute re-run replays the selection into it."""
+        first_run: list[tuple] = []
+
+        def select() -> paddle.Tensor:
+            first_run.append(self._fused(scores))
+            return first_run[0][1]
+
+        indices, first = replayed("TopKRouter", select)
+        weights, _, counts = first_run[0] if first_run else self._fused(scores, indices=indices)
+        return weights, indices, counts, first
 
     def update_expert_bias(self, tokens_per_expert: paddle.Tensor | None = None) -> None:
         """``b_e -= rate * sign(load_e - mean load)``, from the given counts or the accumulated ones.
@@ -226,15 +284,22 @@ class HashRouter(_RouterBase):
         table = paddle.arange(self.vocab_size, dtype="int64").unsqueeze(-1) + paddle.arange(self.topk, dtype="int64")
         self.register_buffer("tid2eid", table % self.num_experts, persistable=True)
 
-    def forward(self, hidden_states: paddle.Tensor, input_ids: paddle.Tensor | None = None) -> tuple:
-        """[b, s, D] and ``input_ids`` [b, s] -> (weights [b*s, k] fp32, indices [b*s, k] int64)."""
+    def forward(
+        self, hidden_states: paddle.Tensor, input_ids: paddle.Tensor | None = None, layout: SequenceLayout | None = None
+    ) -> tuple:
+        """[b, s, D] and ``input_ids`` [b, s] -> (weights [b*s, k] fp32, indices [b*s, k] int64) (token-local:
+        ``layout`` is not needed)."""
         self._check_hidden(hidden_states)
         _check_input_ids("HashRouter", input_ids, hidden_states.shape[:2], required=True)
         scores = self._scores(hidden_states)
-        indices = paddle.gather(self.tid2eid, input_ids.reshape([-1]).astype("int64"), axis=0)
-        weights = gather_routing_weights(scores, indices, self.norm_topk_prob, self.routed_scaling_factor)
+        if self.fused_route is None:
+            indices = paddle.gather(self.tid2eid, input_ids.reshape([-1]).astype("int64"), axis=0)
+            weights = gather_routing_weights(scores, indices, self.norm_topk_prob, self.routed_scaling_factor)
+            counts = None
+        else:  # the same table lookup, inside the fused kernel
+            weights, indices, counts = self._fused(scores, table=self.tid2eid, ids=input_ids.reshape([-1]))
         if recording():  # once per step, not again when a recomputed segment re-runs
-            self._count(indices)
+            self._count(indices, counts)
         return weights, indices
 
 
@@ -259,13 +324,15 @@ class GroupedExperts(FleetLayer):
 
     (token, slot) pairs are stably sorted by expert so each expert runs one matmul over its segment,
     the output is scaled by the routing weight after the down projection (as HF does) and
-    scatter-added back to its token.
+    added back to its token (``ops.permute`` / ``ops.unpermute``: ``fleet_ext.ops.moe_permute``).
     """
 
-    def __init__(self, config: Any, recompute_activation: bool = False) -> None:
+    def __init__(self, config: Any, recompute_activation: bool = False, ops: MoEOps | None = None) -> None:
         super().__init__()
         moe, model = config.moe, config.model
         self.recompute_activation = recompute_activation  # selective recompute `moe_act`: the SwiGLU only
+        # permute / unpermute: the pure-Paddle reference unless the backend provider hands the fused ops.
+        self.ops = ops or MoEOps(permute=permute_reference.permute, unpermute=permute_reference.unpermute)
         self.num_experts = moe.n_routed_experts
         self.hidden_size = model.hidden_size
         self.ffn_hidden_size = moe.moe_intermediate_size
@@ -274,18 +341,55 @@ class GroupedExperts(FleetLayer):
         e, d, i = self.num_experts, self.hidden_size, self.ffn_hidden_size
         self.weight1 = self.create_parameter([e, d, 2 * i], dtype=model.params_dtype, default_initializer=init)
         self.weight2 = self.create_parameter([e, i, d], dtype=model.params_dtype, default_initializer=init)
+        self.ep: ExpertParallelGroup | None = None  # expert parallelism (:meth:`shard`); None: every expert here
+        self.first_expert = 0  # global id of this rank's first expert
+
+    def shard(self, ep: ExpertParallelGroup) -> None:
+        """Keep only this rank's experts ``ep.local_experts``: ``weight1`` / ``weight2`` become the slices
+        [L, ...] of the stacked weights (same names; the checkpoint records global shape and offset)."""
+        if self.ep is not None or ep.size == 1:
+            return
+        local = ep.local_experts(self.num_experts)
+        for name in ("weight1", "weight2"):
+            full = getattr(self, name)
+            part = self.create_parameter(
+                [len(local), *full.shape[1:]], dtype=full.dtype,
+                default_initializer=paddle.nn.initializer.Assign(full[local.start : local.stop].numpy()),
+            )
+            setattr(self, name, part)
+        self.ep, self.first_expert = ep, local.start
 
     def forward(self, hidden_states: paddle.Tensor, indices: paddle.Tensor, weights: paddle.Tensor) -> paddle.Tensor:
         """``hidden_states`` [T, D], ``indices`` [T, k] int, ``weights`` [T, k] float -> [T, D]."""
         counts = self._check(hidden_states, indices, weights)
-        topk = indices.shape[-1]
-        order = paddle.argsort(indices.reshape([-1]), stable=True)
-        token_of = order // topk
-        x_sorted = paddle.gather(hidden_states, token_of, axis=0)
-        w_sorted = paddle.gather(weights.reshape([-1]), order, axis=0).astype("float32")
-        y = self._expert_segments(x_sorted, counts)
-        y = (y.astype("float32") * w_sorted.unsqueeze(-1)).astype(hidden_states.dtype)
-        return paddle.index_add(paddle.zeros_like(hidden_states), token_of, 0, y)
+        x_sorted, plan = self.ops.permute(hidden_states, indices, self.num_experts)
+        if self.ep is not None:
+            y = self._expert_parallel(x_sorted, hidden_states, indices, counts)
+        else:
+            y = self._expert_segments(x_sorted, counts)
+        return self.ops.unpermute(y, weights, plan)
+
+    def _expert_parallel(
+        self, x_sorted: paddle.Tensor, hidden_states: paddle.Tensor, indices: paddle.Tensor, counts: list[int]
+    ) -> paddle.Tensor:
+        """Rows to their experts' owners, each local expert once per source rank (per-source weight-gradient
+        partials: ``fleet_ext.parallel.expert_parallel``), outputs back in this rank's expert-sorted order."""
+        layout = exchange_counts(counts, indices.shape[-1], self.ep)
+        received = dispatch_rows(x_sorted, hidden_states, indices, layout, self.ep)
+        outs, start = [], 0
+        for source in range(layout.size):
+            for expert, n in enumerate(layout.local_counts(source)):
+                if n:
+                    outs.append(self._expert(expert, received[start : start + n]))
+                    start += n
+        y = paddle.concat(outs, axis=0) if outs else received[:0]
+        return combine_rows(y, layout, self.ep)
+
+    def _expert(self, expert: int, rows: paddle.Tensor) -> paddle.Tensor:
+        """One clamped-SwiGLU expert (``expert``: index into this rank's weights) on ``rows``."""
+        gate_up = paddle.matmul(rows, self.weight1[expert])
+        h = maybe_checkpointed(self.recompute_activation, clamped_swiglu, gate_up, self.limit)
+        return paddle.matmul(h, self.weight2[expert])
 
     def _expert_segments(self, x_sorted: paddle.Tensor, counts: list[int]) -> paddle.Tensor:
         """One clamped-SwiGLU expert per contiguous segment of expert-sorted tokens."""
@@ -293,9 +397,7 @@ class GroupedExperts(FleetLayer):
         for expert, n in enumerate(counts):
             if n == 0:
                 continue
-            gate_up = paddle.matmul(x_sorted[start : start + n], self.weight1[expert])
-            h = maybe_checkpointed(self.recompute_activation, clamped_swiglu, gate_up, self.limit)
-            outs.append(paddle.matmul(h, self.weight2[expert]))
+            outs.append(self._expert(expert, x_sorted[start : start + n]))
             start += n
         return paddle.concat(outs, axis=0)
 
@@ -332,6 +434,27 @@ class GroupedExperts(FleetLayer):
 # --------------------------------------------------------------------------------------------------
 # The MoE layer.
 # --------------------------------------------------------------------------------------------------
+class _GradsInOrder(PyLayer):
+    """Views of the flattened ``x`` for the router [b, s, D], the experts [T, D] and the shared experts [b, s, D];
+    backward: ``(shared + experts) + router``.
+
+    Paddle's engine adds a tensor's gradients in the order their branches finish, which a fused op that
+    shortens one branch would change (fp32 sums are not associative). The order fixed here is the one the
+    unfused layer's branches finish in, so the unfused result keeps its bits. Each view is a new tensor of a
+    shape other than the input's (Paddle would merge the gradients of outputs that are the input itself).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: paddle.Tensor, shape: list[int], shared: bool) -> tuple:
+        views = (x.reshape(shape), x.reshape([-1, shape[-1]]))
+        return (*views, x.reshape(shape)) if shared else views
+
+    @staticmethod
+    def backward(ctx: Any, router: paddle.Tensor, experts: paddle.Tensor, *shared: paddle.Tensor) -> paddle.Tensor:
+        experts = experts.reshape(router.shape)
+        return ((shared[0] + experts if shared else experts) + router).reshape([-1])
+
+
 class MoELayer(FleetLayer):
     """Routed experts + shared experts: ``y = experts(x; router(x)) + shared_experts(x)``.
 
@@ -339,12 +462,19 @@ class MoELayer(FleetLayer):
     routed and need ``input_ids``.
     """
 
-    def __init__(self, config: Any, layer_number: int, recompute_modules: frozenset[str] = frozenset()) -> None:
+    def __init__(
+        self,
+        config: Any,
+        layer_number: int,
+        recompute_modules: frozenset[str] = frozenset(),
+        ops: MoEOps | None = None,
+    ) -> None:
         super().__init__()
         moe, model = config.moe, config.model
-        if not isinstance(layer_number, int) or not 0 <= layer_number < model.num_hidden_layers:
+        n_layers = model.num_hidden_layers + model.num_nextn_predict_layers  # MTP layers are numbered after the main
+        if not isinstance(layer_number, int) or not 0 <= layer_number < n_layers:
             raise ValueError(
-                f"MoELayer: `layer_number` must be a 0-based layer index in [0, {model.num_hidden_layers}), "
+                f"MoELayer: `layer_number` must be a 0-based layer index in [0, {n_layers}), "
                 f"got {layer_number!r}"
             )
         if layer_number < moe.first_k_dense_replace:
@@ -357,25 +487,38 @@ class MoELayer(FleetLayer):
         self.is_hash = layer_number < moe.moe_n_hash_layers
         router_cls = HashRouter if self.is_hash else TopKRouter
         self.router = router_cls(config, layer_number)
+        self.router.fused_route = ops.router if ops is not None else None  # moe_router_fusion (None: reference)
         self.recompute_experts = "moe" in recompute_modules
-        self.experts = GroupedExperts(config, recompute_activation="moe_act" in recompute_modules)
+        self.experts = GroupedExperts(config, recompute_activation="moe_act" in recompute_modules, ops=ops)
         self.shared_experts = None
         if moe.n_shared_experts > 0:
             ffn = moe.n_shared_experts * moe.moe_intermediate_size
             self.shared_experts = SwiGLUMLP(config, model.hidden_size, ffn)
 
-    def forward(self, hidden_states: paddle.Tensor, input_ids: paddle.Tensor | None = None) -> paddle.Tensor:
-        """``hidden_states`` [b, s, D], ``input_ids`` [b, s] (required on hash layers) -> [b, s, D]."""
+    def forward(
+        self, hidden_states: paddle.Tensor, input_ids: paddle.Tensor | None = None, layout: SequenceLayout | None = None
+    ) -> paddle.Tensor:
+        """``hidden_states`` [b, s, D], ``input_ids`` [b, s] (required on hash layers) -> [b, s, D]; ``layout``: the
+        positions this rank holds (the sequence aux loss counts over the whole sequence)."""
         check_hidden("MoELayer", "hidden_states", hidden_states, self.hidden_size, rank=3)
         _check_input_ids("MoELayer", input_ids, hidden_states.shape[:2], required=self.is_hash)
         batch, seq = hidden_states.shape[0], hidden_states.shape[1]
-        weights, indices = self.router(hidden_states, input_ids)
-        flat = hidden_states.reshape([-1, self.hidden_size])
+        to_router, flat, to_shared = self._fan_out(hidden_states)
+        weights, indices = self.router(to_router, input_ids, layout)
         out = maybe_checkpointed(self.recompute_experts, self.experts, flat, indices, weights)
         out = out.reshape([batch, seq, self.hidden_size])
         if self.shared_experts is not None:
-            out = out + self.shared_experts(hidden_states)
+            out = out + self.shared_experts(to_shared)
         return out
+
+    def _fan_out(self, hidden_states: paddle.Tensor) -> tuple:
+        """(router input [b, s, D], experts input [T, D], shared experts input [b, s, D]) whose gradients are summed
+        in one fixed order (``_GradsInOrder``), so fused ops that shorten a branch's backward cannot reorder them."""
+        if not paddle.is_grad_enabled() or hidden_states.stop_gradient:
+            return hidden_states, hidden_states.reshape([-1, self.hidden_size]), hidden_states
+        shared = self.shared_experts is not None
+        views = _GradsInOrder.apply(hidden_states.reshape([-1]), list(hidden_states.shape), shared)
+        return views[0], views[1], views[2] if shared else None
 
     @property
     def aux_loss(self) -> paddle.Tensor | None:

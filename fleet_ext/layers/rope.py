@@ -10,6 +10,7 @@ RoPE is a pure rotation, so the YaRN attention factor is always 1. The rotation 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 
 import numpy as np
 import paddle
@@ -40,19 +41,36 @@ def yarn_inv_freq(
     return base_freq / factor * (1.0 - extrapolation_weight) + base_freq * extrapolation_weight
 
 
-_CACHED_RANGES = 64  # per table: a training run uses one or two ranges; evaluation at other lengths a few more
+# Shared by every layer of a forward (layers of one kind hold equal frequencies), keyed on (frequencies, range,
+# device); bounded: variable-length inference must not grow it forever.
+_CACHED_TABLES = 256
+_TABLES: OrderedDict[tuple[bytes, range, str], tuple[paddle.Tensor, paddle.Tensor]] = OrderedDict()
+_BUILDS = [0]
+
+
+def rope_cache_builds() -> int:
+    """cos/sin tables built so far (host computation + host-to-device copy): a forward that builds none leaves
+    it unchanged."""
+    return _BUILDS[0]
+
+
+def clear_rope_cache() -> None:
+    """Drop every cached cos/sin table (tests that count builds start from here)."""
+    _TABLES.clear()
 
 
 class RotaryTable:
     """cos/sin of ``position * inv_freq`` for one layer kind; shape ``[n_pos, dim // 2]`` fp32.
 
-    The tables of a given set of positions are built once (angles in float64 on the host), moved to the
-    device once and cached: a training step with a fixed layout re-uses them.
+    The values are the fp32 roundings of angles computed in float64 on the host (a device fp32 or
+    platform-libm float64 computation would not be bit-identical to them). The tables of one range of
+    positions are built once per (frequencies, range, device), moved to the device once and cached at module
+    level, so every layer with the same frequencies shares them and a training step with a fixed layout
+    copies nothing to the device.
     """
 
     def __init__(self, inv_freq: np.ndarray) -> None:
         self.inv_freq = inv_freq
-        self._cache: dict[range, tuple[paddle.Tensor, paddle.Tensor]] = {}
 
     @classmethod
     def for_spec(cls, spec: RopeSpec) -> RotaryTable:
@@ -67,14 +85,20 @@ class RotaryTable:
 
     def cos_sin(self, positions: range) -> tuple[paddle.Tensor, paddle.Tensor]:
         """cos and sin for the global positions ``positions`` (a ``range``: the layout's positions, or a
-        compressor's block starts), cached per range."""
+        compressor's block starts), cached per (frequencies, range, device)."""
         if not isinstance(positions, range):
             raise ValueError(f"RotaryTable.cos_sin: `positions` must be a range, got {type(positions).__name__}")
-        if positions not in self._cache:
-            if len(self._cache) >= _CACHED_RANGES:  # bounded: variable-length inference must not grow it forever
-                self._cache.pop(next(iter(self._cache)))
-            self._cache[positions] = self._build(np.arange(positions.start, positions.stop, positions.step))
-        return self._cache[positions]
+        freq = np.ascontiguousarray(self.inv_freq, dtype=np.float64)
+        key = (freq.tobytes(), positions, paddle.get_device())
+        tables = _TABLES.get(key)
+        if tables is None:
+            if len(_TABLES) >= _CACHED_TABLES:
+                _TABLES.popitem(last=False)
+            tables = _TABLES[key] = self._build(np.arange(positions.start, positions.stop, positions.step))
+            _BUILDS[0] += 1
+        else:
+            _TABLES.move_to_end(key)
+        return tables
 
     def cos_sin_at(self, positions: np.ndarray | list[int]) -> tuple[paddle.Tensor, paddle.Tensor]:
         """cos and sin for arbitrary integer positions (not cached)."""

@@ -6,6 +6,10 @@ DeepSeek names (``layers.{i}.attn.wq_a.weight``, ``layers.{i}.ffn.experts.{e}.w1
 torch ``[out, in]`` linear weights into Paddle's ``[in, out]`` and packs the per-expert weights into
 our grouped ``weight1``/``weight2``. MTP weights (``mtp.*``) are not built and are skipped, as
 transformers does.
+
+The directory entry points (:func:`load_hf_checkpoint`, :func:`load_hf_weights`, :func:`save_hf_checkpoint`,
+:func:`flat_config_from_dir`) also read and write transformers DeepSeek-V3.2 directories, whose maps are in
+:mod:`fleet_ext.models.hf_dsv32`: by ``model_type`` on import, by the layer kinds (all ``-2``) on export.
 """
 
 from __future__ import annotations
@@ -77,20 +81,47 @@ _GLOBAL_ALIASES = {
     "hc_head.hc_base": "hc_head_base",
     "hc_head.hc_scale": "hc_head_scale",
 }
+# MTP depth k's own tensors, ``mtp.<k>.<official>`` -> ``mtp_layers.<k>.<ours>``; its transformer layer's tensors
+# follow the per-layer map (``mtp.<k>.attn.wq_a.weight`` like ``layers.<i>.attn.wq_a.weight``) under ``.decoder``.
+_MTP_MAP: dict[str, tuple[str, bool]] = {
+    "e_proj.weight": ("e_proj.weight", True),
+    "h_proj.weight": ("h_proj.weight", True),
+    "enorm.weight": ("enorm.weight", False),
+    "hnorm.weight": ("hnorm.weight", False),
+    "norm.weight": ("final_layernorm.weight", False),
+    "hc_head_fn": ("mhc_head.fn", False),
+    "hc_head_base": ("mhc_head.base", False),
+    "hc_head_scale": ("mhc_head.scale", False),
+}
+_MTP_RE = re.compile(r"^mtp\.(\d+)\.(.+)$")
 _EXPERT_RE = re.compile(r"^ffn\.(experts\.(\d+)|shared_experts)\.(w[123])\.weight$")
 
 
 # --------------------------------------------------------------------------------------------------
 # config
 # --------------------------------------------------------------------------------------------------
-def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    """Flat fleet_ext config keys from a transformers ``DeepseekV4Config`` dict (config.json)."""
+def _mtp_ratios(hf: dict[str, Any], n_layers: int, depth: int, rates: dict[str, int]) -> list[int]:
+    """``csa_compress_ratios`` entries of the MTP layers: from ``layer_types`` or the official ``compress_ratios``
+    when they cover them, else window (DeepSeek-V4's MTP layer is a window layer)."""
+    types = hf.get("layer_types") or []
+    if len(types) >= n_layers + depth:
+        return [{_SWA: 0, _CSA: rates[_CSA], _HCA: HCA_ENTRY}[t] for t in types[n_layers : n_layers + depth]]
+    legacy = hf.get("compress_ratios") or []
+    if len(legacy) >= n_layers + depth:
+        return [HCA_ENTRY if r == rates[_HCA] else r for r in legacy[n_layers : n_layers + depth]]
+    return [0] * depth
+
+
+def config_from_hf(hf: dict[str, Any], mtp_depth: int = 0) -> dict[str, Any]:
+    """Flat fleet_ext config keys from a transformers ``DeepseekV4Config`` dict (config.json). ``mtp_depth``: the
+    MTP depths whose weights the checkpoint holds (transformers drops them; the official release keeps them)."""
     if hf.get("model_type") != "deepseek_v4":
         raise ValueError(f"config.json: model_type must be 'deepseek_v4', got {hf.get('model_type')!r}")
     n_layers = hf["num_hidden_layers"]
     rates = {_CSA: 4, _HCA: 128, **(hf.get("compress_rates") or {})}
     layer_types = hf["layer_types"][:n_layers]
     ratios = [{_SWA: 0, _CSA: rates[_CSA], _HCA: HCA_ENTRY}[t] for t in layer_types]
+    ratios += _mtp_ratios(hf, n_layers, mtp_depth, rates) if mtp_depth else []
     mlp_types = hf["mlp_layer_types"][:n_layers]
     n_hash = sum(t == "hash_moe" for t in mlp_types)
     if mlp_types[:n_hash] != ["hash_moe"] * n_hash:
@@ -104,9 +135,11 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"config.json: compress rope_type {compress_type!r} is not supported (default or yarn)")
     if compress.get("truncate", True) is not True:
         raise ValueError("config.json: YaRN `truncate: false` is not supported")
-    if hf.get("num_nextn_predict_layers"):
-        logger.info("dropping %d MTP layer(s): fleet_ext does not build MTP yet", hf["num_nextn_predict_layers"])
+    if (hf.get("num_nextn_predict_layers") or 0) > mtp_depth:
+        logger.info("the checkpoint holds weights of %d of its %d MTP layer(s): building those", mtp_depth,
+                    hf["num_nextn_predict_layers"])
     flat = {
+        "num_nextn_predict_layers": mtp_depth,
         "hca_compress_ratio": rates[_HCA],  # the csa_compress_ratios entry 128 marks HCA; this is its rate
         "vocab_size": hf["vocab_size"],
         "hidden_size": hf["hidden_size"],
@@ -170,8 +203,10 @@ def _export_problems(config: Any, kinds: list[LayerKind], csa: list[int]) -> lis
         problems.append(f"all CSA layers must share one ratio, got {csa}")
     if m.csa_dense_mode or m.use_vha_attention:
         problems.append("csa_dense_mode and use_vha_attention have no DeepSeek-V4 equivalent")
-    if moe.n_shared_experts != 1 or moe.first_k_dense_replace or not moe.norm_topk_prob:
-        problems.append("DeepSeek-V4 needs n_shared_experts=1, first_k_dense_replace=0, norm_topk_prob=true")
+    if moe.n_shared_experts != 1 or moe.first_k_dense_replace or not moe.norm_topk_prob or moe.n_group != 1:
+        problems.append(
+            "DeepSeek-V4 needs n_shared_experts=1, first_k_dense_replace=0, norm_topk_prob=true, n_group=1"
+        )
     if m.csa_rope_type != m.hca_rope_type:
         problems.append("csa_rope_type and hca_rope_type must agree (one 'compress' rope in DeepSeek-V4)")
     return problems
@@ -231,7 +266,7 @@ def config_to_hf(config: Any) -> dict[str, Any]:
         "hc_mult": m.num_residual_streams,
         "hc_sinkhorn_iters": m.mhc_sinkhorn_iterations,
         "hc_eps": m.mhc_eps,
-        "mlp_layer_types": ["hash_moe" if i < moe.moe_n_hash_layers else "moe" for i in range(m.num_hidden_layers)],
+        "mlp_layer_types": ["hash_moe" if i < moe.moe_n_hash_layers else "moe" for i in range(len(kinds))],
         "swiglu_limit": moe.swiglu_limit,
         "sliding_window": m.csa_window_size,
         "o_groups": m.o_groups,
@@ -239,7 +274,7 @@ def config_to_hf(config: Any) -> dict[str, Any]:
         "index_n_heads": m.dsa_index_n_heads,
         "index_head_dim": m.dsa_index_head_dim,
         "index_topk": m.dsa_index_topk,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": m.num_nextn_predict_layers,  # transformers skips their mtp.* weights
         "rms_norm_eps": m.rms_norm_eps,
         "initializer_range": m.init_method_std,
         "tie_word_embeddings": m.tie_word_embeddings,
@@ -267,14 +302,25 @@ def _official_name(key: str) -> str:
     return _GLOBAL_ALIASES.get(key, key)
 
 
-def hf_to_fleet_state(tensors: dict[str, np.ndarray], n_experts: int) -> dict[str, np.ndarray]:
-    """Official-name numpy tensors -> fleet_ext state-dict names and layouts."""
+def hf_to_fleet_state(
+    tensors: dict[str, np.ndarray], n_experts: int, n_layers: int = 0, mtp_depth: int = 0
+) -> dict[str, np.ndarray]:
+    """Official-name numpy tensors -> fleet_ext state-dict names and layouts. MTP depths below ``mtp_depth`` are
+    kept (their transformer layer numbered ``n_layers + k`` on the way, then renamed), the others dropped."""
     out: dict[str, np.ndarray] = {}
     experts: dict[tuple[int, str], dict[int, dict[str, np.ndarray]]] = {}
     for raw_key, value in tensors.items():
         key = _official_name(raw_key)
-        if key.startswith("mtp."):
-            continue
+        mtp = _MTP_RE.match(key)
+        if mtp is not None:
+            depth, suffix = int(mtp.group(1)), mtp.group(2)
+            if depth >= mtp_depth:
+                continue
+            if suffix in _MTP_MAP:
+                name, transpose = _MTP_MAP[suffix]
+                out[f"mtp_layers.{depth}.{name}"] = value.T if transpose else value
+                continue
+            key = f"layers.{n_layers + depth}.{suffix}"
         if key in _GLOBAL_MAP:
             name, transpose = _GLOBAL_MAP[key]
             out[name] = value.T if transpose else value
@@ -309,11 +355,40 @@ def hf_to_fleet_state(tensors: dict[str, np.ndarray], n_experts: int) -> dict[st
             )
         out[f"layers.{layer}.mlp.experts.weight1"] = np.stack([fc1(slots[e]) for e in range(n_experts)])
         out[f"layers.{layer}.mlp.experts.weight2"] = np.stack([slots[e]["w2"].T for e in range(n_experts)])
-    return out
+    return _rename_layers(out, {f"layers.{n_layers + k}.": f"mtp_layers.{k}.decoder." for k in range(mtp_depth)})
 
 
-def fleet_to_hf_state(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """fleet_ext state-dict numpy tensors -> the names transformers' save_pretrained writes."""
+def _rename_layers(state: dict[str, np.ndarray], prefixes: dict[str, str]) -> dict[str, np.ndarray]:
+    """``state`` with each key starting with a ``prefixes`` key re-prefixed (the MTP layers' two numberings)."""
+    def rename(key: str) -> str:
+        for old, new in prefixes.items():
+            if key.startswith(old):
+                return new + key[len(old) :]
+        return key
+
+    return {rename(key): value for key, value in state.items()}
+
+
+def fleet_to_hf_state(state: dict[str, np.ndarray], n_layers: int = 0) -> dict[str, np.ndarray]:
+    """fleet_ext state-dict numpy tensors -> the names transformers' save_pretrained writes; MTP depth k's as the
+    official release spells them (``mtp.<k>.*``: transformers skips them, fleet_ext reads them back)."""
+    state = dict(state)
+    depths = sorted({int(name.split(".")[1]) for name in state if name.startswith("mtp_layers.")})
+    inverse_mtp = {ours: (theirs, t) for theirs, (ours, t) in _MTP_MAP.items()}
+    out: dict[str, np.ndarray] = {}
+    for k in depths:
+        own = f"mtp_layers.{k}."
+        for name in [n for n in state if n.startswith(own) and n[len(own) :] in inverse_mtp]:
+            theirs, transpose = inverse_mtp[name[len(own) :]]
+            value = state.pop(name)
+            out[f"mtp.{k}.{theirs}"] = np.ascontiguousarray(value.T if transpose else value)
+    state = _rename_layers(state, {f"mtp_layers.{k}.decoder.": f"layers.{n_layers + k}." for k in depths})
+    layers = _fleet_layers_to_hf(state)
+    return {**out, **_rename_layers(layers, {f"model.layers.{n_layers + k}.": f"mtp.{k}." for k in depths})}
+
+
+def _fleet_layers_to_hf(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The main model's tensors (MTP layers renumbered as layers after the last) -> transformers' names."""
     inverse_layer = {ours: (theirs, t) for theirs, (ours, t) in _LAYER_MAP.items()}
     inverse_global = {ours: (theirs, t) for theirs, (ours, t) in _GLOBAL_MAP.items()}
     saved_global = {v: k for k, v in _GLOBAL_ALIASES.items()}
@@ -353,30 +428,78 @@ def fleet_to_hf_state(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
-def load_hf_checkpoint(model_cls, path: str | os.PathLike, **overrides: Any):
-    """Build ``model_cls`` from a transformers DeepSeek-V4 directory and load its weights."""
-    from safetensors.numpy import load_file
-
-    from fleet_ext.config import load_config
-
+def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
+    """The ``config.json`` of a Hugging Face checkpoint directory, as a dict."""
     path = os.fspath(path)
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"{path!r} has no config.json: not a Hugging Face checkpoint directory")
     with open(config_path, encoding="utf-8") as fh:
-        flat = config_from_hf(json.load(fh))
-    flat.update(overrides)
-    model = model_cls(load_config(flat))
+        return json.load(fh)
+
+
+def flat_config_from_dir(path: str | os.PathLike) -> dict[str, Any]:
+    """Flat fleet_ext config keys from a transformers DeepSeek-V4 or DeepSeek-V3.2 directory's config.json."""
+    from fleet_ext.models import hf_dsv32
+
+    hf = read_hf_config(path)
+    if hf.get("model_type") == hf_dsv32.MODEL_TYPE:
+        return hf_dsv32.config_from_hf(hf)
+    if hf.get("model_type") != "deepseek_v4":
+        raise ValueError(
+            f"{os.fspath(path)}/config.json: model_type must be 'deepseek_v4' or '{hf_dsv32.MODEL_TYPE}', "
+            f"got {hf.get('model_type')!r}"
+        )
+    return config_from_hf(hf, _mtp_depth_in(path, hf))
+
+
+def _mtp_depth_in(path: str | os.PathLike, hf: dict[str, Any]) -> int:
+    """How many MTP depths (0, 1, ..) of the config's ``num_nextn_predict_layers`` the weight files hold."""
+    from safetensors import safe_open
+
+    held = set()
+    for file in glob.glob(os.path.join(os.fspath(path), "*.safetensors")):
+        with safe_open(file, "np") as fh:
+            held |= {int(m.group(1)) for m in map(_MTP_RE.match, fh.keys()) if m is not None}
+    depth = 0
+    while depth in held and depth < (hf.get("num_nextn_predict_layers") or 0):
+        depth += 1
+    return depth
+
+
+def load_hf_weights(model, path: str | os.PathLike) -> None:
+    """Copy the weights of a transformers DeepSeek-V4 / V3.2 directory into ``model`` (built for its config)."""
+    from safetensors.numpy import load_file
+
+    from fleet_ext.models import hf_dsv32
+
+    path = os.fspath(path)
+    hf = read_hf_config(path)
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"{path!r} has no *.safetensors files")
     tensors: dict[str, np.ndarray] = {}
     for file in files:
         tensors.update(load_file(file))
-    state = hf_to_fleet_state(tensors, model.config.moe.n_routed_experts)
-    if model.config.model.tie_word_embeddings:
+    config = model.config
+    if hf.get("model_type") == hf_dsv32.MODEL_TYPE:
+        state = hf_dsv32.hf_to_fleet_state(tensors, config.model.num_hidden_layers, config.moe.n_routed_experts)
+    else:
+        m = config.model
+        state = hf_to_fleet_state(tensors, config.moe.n_routed_experts, m.num_hidden_layers, m.num_nextn_predict_layers)
+    if config.model.tie_word_embeddings:
         state.pop("output_layer.weight", None)
     _assign(model, state)
+
+
+def load_hf_checkpoint(model_cls, path: str | os.PathLike, **overrides: Any):
+    """Build ``model_cls`` from a transformers DeepSeek-V4 or V3.2 directory and load its weights."""
+    from fleet_ext.config import load_config
+
+    flat = flat_config_from_dir(path)
+    flat.update(overrides)
+    model = model_cls(load_config(flat))
+    load_hf_weights(model, path)
     return model
 
 
@@ -397,16 +520,21 @@ def _assign(model, state: dict[str, np.ndarray]) -> None:
 
 
 def save_hf_checkpoint(model, path: str | os.PathLike) -> None:
-    """Write config.json + model.safetensors in transformers' DeepSeek-V4 layout."""
+    """Write config.json + model.safetensors in transformers' layout: DeepSeek-V3.2 when every layer is ``-2``,
+    DeepSeek-V4 otherwise."""
     from safetensors.numpy import save_file
 
-    hf_config = config_to_hf(model.config)
+    from fleet_ext.models import hf_dsv32
+
+    v32 = all(kind is LayerKind.HYBRID_MLA for kind in kinds_of(model.config.model))
+    hf_config = (hf_dsv32.config_to_hf if v32 else config_to_hf)(model.config)
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     state = {name: tensor.numpy() for name, tensor in model.state_dict().items()}
     if model.config.model.tie_word_embeddings:
         state["output_layer.weight"] = state["word_embeddings.weight"].T
-    tensors = fleet_to_hf_state(state)
+    n_layers = model.config.model.num_hidden_layers
+    tensors = hf_dsv32.fleet_to_hf_state(state) if v32 else fleet_to_hf_state(state, n_layers)
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as fh:
         json.dump(hf_config, fh, indent=2)

@@ -1,12 +1,14 @@
 """Data-parallel plumbing over ``paddle.distributed`` that works on gloo (CPU) and NCCL (GPU).
 
 Only collectives that gloo implements are used (all_reduce, broadcast, all_gather_object, barrier; gloo
-has no reduce_scatter / all_to_all). Gradients travel as one coalesced fp32 buffer per step, so a step is
-one all_reduce whatever the number of parameters. With one process every call is a no-op.
+has no reduce_scatter / all_to_all). Gradients travel in buckets (``BUCKET_ELEMENTS`` numbers), reduced in
+place, so a step is a handful of all_reduces whatever the number of parameters and never holds an fp32 copy of
+every gradient. With one process every call is a no-op (the gradient scaling excepted).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -14,7 +16,12 @@ from typing import Any
 import paddle
 import paddle.distributed as dist
 
-__all__ = ["DistEnv", "env_world", "init_distributed"]
+from fleet_ext.parallel.cp_collectives import ContextParallelGroup
+from fleet_ext.parallel.expert_parallel import ExpertParallelGroup, build_expert_groups
+
+__all__ = ["BUCKET_ELEMENTS", "DistEnv", "ParallelTopology", "env_world", "init_distributed"]
+
+BUCKET_ELEMENTS = 1 << 23  # 8 Mi numbers (32 MiB of fp32) per gradient all-reduce bucket
 
 
 def env_world() -> tuple[int, int]:
@@ -75,42 +82,78 @@ class DistEnv:
             for tensor in model.state_dict().values():
                 dist.broadcast(tensor, src=0)
 
-    def reduce_gradients_(self, params: list, scale: float) -> None:
-        """Sum gradients over ranks, then multiply by ``scale`` (1 / (accumulation * world)).
+    def reduce_gradients_(self, params: list, scale: float, bucket_elements: int = BUCKET_ELEMENTS) -> None:
+        """Sum gradients over ranks, then multiply by ``scale`` (1 / (accumulation * world)), in place.
 
-        One flat fp32 buffer holds every gradient plus one presence flag per parameter, so a parameter that
-        got a gradient on some ranks only (an expert no local token chose) ends up with the same summed
-        gradient everywhere; a parameter no rank touched keeps ``grad is None`` on every rank (as AdamW
-        then skips it, exactly as one process would). Summing two addends is commutative in IEEE
-        arithmetic, so DP=2 reproduces DP=1 with 2 accumulation steps bit for bit.
+        A parameter that got a gradient on some ranks only (an expert no local token chose) ends up with the same
+        summed gradient everywhere; a parameter no rank touched keeps ``grad is None`` on every rank (as AdamW then
+        skips it, exactly as one process would). One presence flag per parameter is all-reduced first (one small
+        collective and the reduction's one device-to-host read); then the gradients travel in buckets of at most
+        ``bucket_elements`` numbers (a larger gradient alone): a bucket of one fp32 gradient is all-reduced and
+        scaled where it lies, the others are packed into one fp32 buffer and written back, so the reduction never
+        holds an fp32 copy of more than one bucket. Summing two addends is commutative in IEEE arithmetic and every
+        path scales with the same op (Paddle's ``scale``), so DP=2 reproduces DP=1 with 2 accumulation steps bit
+        for bit. With one process the gradients are only scaled, in place.
         """
-        if not self.enabled and scale == 1.0:
+        if not self.enabled:
+            if scale != 1.0:
+                with paddle.no_grad():
+                    for p in params:
+                        if p.grad is not None:
+                            _scale_(p.grad, scale)
             return
-        sizes = [int(p.size) for p in params]
-        bodies, flags = [], []
-        for p, n in zip(params, sizes):
-            g = p.grad
-            bodies.append(g.astype("float32").reshape([-1]) if g is not None else paddle.zeros([n], "float32"))
-            flags.append(0.0 if g is None else 1.0)
-        total = sum(sizes)
-        flat = paddle.concat([*bodies, paddle.to_tensor(flags, dtype="float32")])
-        self.all_reduce_sum_(flat)
-        present = flat[total:].tolist()  # one host sync for all presence flags
-        flat = flat[:total]
-        if scale != 1.0:
-            flat = flat * scale
-        offset = 0
+        present = paddle.to_tensor([0.0 if p.grad is None else 1.0 for p in params], dtype="float32")
+        seen = [v > 0.0 for v in self.all_reduce_sum_(present).tolist()]  # one host read for all presence flags
         with paddle.no_grad():
-            for p, n, seen in zip(params, sizes, present):
-                body = flat[offset : offset + n]
-                offset += n
-                if seen == 0.0:
-                    continue
-                value = body.reshape(p.shape).astype(p.dtype)
-                if p.grad is None:
-                    p._copy_gradient_from(value)
-                else:
-                    paddle.assign(value, output=p.grad)
+            for bucket in _buckets([p for p, s in zip(params, seen) if s], bucket_elements):
+                self._reduce_bucket_(bucket, scale)
+
+    def _reduce_bucket_(self, bucket: list, scale: float) -> None:
+        """All-reduce and scale one bucket of parameters that have a gradient on some rank."""
+        first = bucket[0]
+        if len(bucket) == 1 and first.grad is not None and first.grad.dtype == paddle.float32:
+            _scale_(self.all_reduce_sum_(first.grad), scale)  # in place, no copy
+            return
+        flat = paddle.concat([
+            p.grad.astype("float32").reshape([-1]) if p.grad is not None else paddle.zeros([int(p.size)], "float32")
+            for p in bucket
+        ])
+        self.all_reduce_sum_(flat)
+        _scale_(flat, scale)
+        offset = 0
+        for p in bucket:
+            n = int(p.size)
+            value = flat[offset : offset + n].reshape(p.shape).astype(p.dtype)
+            offset += n
+            if p.grad is None:
+                p._copy_gradient_from(value)
+            else:
+                paddle.assign(value, output=p.grad)
+
+
+def _scale_(tensor: paddle.Tensor, scale: float) -> paddle.Tensor:
+    """``tensor *= scale`` in place, through fp32 for other dtypes; Paddle's ``scale`` op, which ``x * float`` is too
+    (so the bits equal the out-of-place product's)."""
+    if scale == 1.0:
+        return tensor
+    if tensor.dtype == paddle.float32:
+        return tensor.scale_(scale)
+    paddle.assign((tensor.astype("float32") * scale).astype(tensor.dtype), output=tensor)
+    return tensor
+
+
+def _buckets(params: list, bucket_elements: int) -> list[list]:
+    """``params`` in order, cut into runs of at most ``bucket_elements`` numbers (a larger one alone)."""
+    out: list[list] = []
+    size = 0
+    for p in params:
+        n = int(p.size)
+        if not out or size + n > bucket_elements:
+            out.append([])
+            size = 0
+        out[-1].append(p)
+        size += n
+    return out
 
 
 def init_distributed() -> DistEnv:
@@ -121,3 +164,67 @@ def init_distributed() -> DistEnv:
         backend = str(dist.get_backend()).lower()
         return DistEnv(rank=dist.get_rank(), world_size=dist.get_world_size(), backend=backend)
     return DistEnv(rank=0, world_size=1, backend="none (one process)")
+
+
+@dataclass(frozen=True)
+class ParallelTopology:
+    """How the ``world = dp x cp`` ranks split: context parallelism is the inner group (Megatron's order), so
+    rank ``r`` is context-parallel rank ``r % cp`` of data-parallel rank ``r // cp``; the ``cp`` ranks of one
+    data-parallel rank read the same samples and each keeps its contiguous chunk of the sequence."""
+
+    dp_size: int
+    cp_size: int
+    dp_rank: int
+    cp_rank: int
+    cp_group: ContextParallelGroup | None = None
+    ep_group: ExpertParallelGroup | None = None  # expert parallelism (carved from data x context; None: ep 1)
+
+    @property
+    def ep_size(self) -> int:
+        return self.ep_group.size if self.ep_group is not None else 1
+
+    @classmethod
+    def build(cls, env: DistEnv, cp_size: int, ep_size: int = 1, dispatcher: str = "alltoall") -> ParallelTopology:
+        """Carve the context-parallel groups, then the expert groups, out of the world (every rank creates every
+        group, in order)."""
+        topology = cls._build_cp(env, cp_size)
+        if ep_size == 1:
+            return topology
+        ep = build_expert_groups(env.rank, env.world_size, env.backend, ep_size, dispatcher)
+        return dataclasses.replace(topology, ep_group=ep)
+
+    @classmethod
+    def _build_cp(cls, env: DistEnv, cp_size: int) -> ParallelTopology:
+        """Carve the context-parallel groups out of the world (every rank creates every group, in order)."""
+        if cp_size < 1 or env.world_size % cp_size:
+            raise ValueError(
+                f"config key `context_parallel_size` = {cp_size} is invalid: allowed a divisor of the number of "
+                f"launched processes ({env.world_size}), as world = data parallel x context parallel. Fix: launch "
+                f"a multiple of {cp_size} processes (--nproc_per_node) or change context_parallel_size"
+            )
+        dp_size, dp_rank, cp_rank = env.world_size // cp_size, env.rank // cp_size, env.rank % cp_size
+        if cp_size == 1:
+            return cls(dp_size, 1, dp_rank, 0)
+        mine = None
+        for d in range(dp_size):
+            ranks = tuple(range(d * cp_size, (d + 1) * cp_size))
+            # gloo: point-to-point over the world group (see cp_collectives); NCCL: a real sub-group.
+            group = dist.new_group(list(ranks)) if env.backend == "nccl" else None
+            if d == dp_rank:
+                mine = ContextParallelGroup(group, ranks, env.backend, cp_rank)
+        return cls(dp_size, cp_size, dp_rank, cp_rank, mine)
+
+    def describe(self) -> str:
+        """One line for the start-up table."""
+        if self.ep_group is not None:
+            ep = self.ep_group
+            return (
+                f"data {self.dp_size} x context {self.cp_size}, experts over {ep.size} ranks ({ep.dispatcher}; "
+                f"expert-data-parallel {len(ep.edp_ranks)}; this rank: expert rank {ep.rank})"
+            )
+        if self.cp_size == 1:
+            return f"data {self.dp_size} x context 1"
+        return (
+            f"data {self.dp_size} x context {self.cp_size} (contiguous chunks; this rank: data rank {self.dp_rank}, "
+            f"context rank {self.cp_rank})"
+        )

@@ -2,8 +2,9 @@
 
 Built once per forward by the model and handed to every attention layer. RoPE angles, the
 window / compressed / causal index tables and the indexers' visibility rules are computed from it, never
-from ``0 .. s-1``: that is the seam context parallelism plugs into. With one process (and today, with
-``context_parallel_size: 1`` everywhere) the layout is the whole sequence: offset 0, local = global.
+from ``0 .. s-1``: that is the seam context parallelism plugs into. Without context parallelism the layout is
+the whole sequence (offset 0, local = global); with ``context_parallel_size: cp`` rank r of the group holds the
+r-th of cp equal contiguous chunks, and the layers exchange keys through ``fleet_ext.parallel.cp_collectives``.
 
 Convention for index tables (``fleet_ext.layers.index_tables``): rows are this rank's queries (global
 positions ``offset .. offset + local_len - 1``), key ids are *global* (raw keys ``0 .. global_len - 1``,
@@ -55,6 +56,12 @@ class SequenceLayout:
             raise ValueError(f"SequenceLayout: need 0 <= cp_rank < cp_size, got {self.cp_rank} / {self.cp_size}")
         if self.chunking not in CHUNKING_MODES:
             raise ValueError(f"SequenceLayout: `chunking` must be one of {CHUNKING_MODES}, got {self.chunking!r}")
+        if self.offset != self.cp_rank * self.local_len or self.global_len != self.cp_size * self.local_len:
+            raise ValueError(
+                f"SequenceLayout: contiguous chunks need offset = cp_rank x local_len and global_len = cp_size x "
+                f"local_len, got offset={self.offset}, local_len={self.local_len}, global_len={self.global_len}, "
+                f"cp_rank={self.cp_rank}, cp_size={self.cp_size}"
+            )
 
     @classmethod
     def whole(cls, seq_len: int) -> SequenceLayout:
@@ -93,16 +100,6 @@ class SequenceLayout:
         layout = layout or cls.whole(seq_len)
         layout.check_input(owner, name, seq_len)
         return layout
-
-    def require_whole(self, owner: str) -> None:
-        """Raise unless this rank holds the whole sequence: attention over a shard needs the context-parallel
-        key exchange, which is not built yet (the tables and RoPE already follow the layout)."""
-        if not self.is_whole:
-            raise ValueError(
-                f"{owner}: this rank holds positions {self.offset}..{self.end - 1} of {self.global_len}; attention "
-                "over a sequence shard needs context parallelism, which is not built yet. Fix: give the layer the "
-                "whole sequence (context_parallel_size: 1)"
-            )
 
     def check_input(self, owner: str, name: str, seq_len: int) -> None:
         """Raise unless a tensor's sequence axis (``seq_len``) is this rank's shard."""

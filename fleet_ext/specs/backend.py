@@ -10,12 +10,13 @@ for the start-up printout (DESIGN.md rules 2 and 3).
 from __future__ import annotations
 
 import functools
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from fleet_ext import capability
 from fleet_ext.config import FleetExtConfig
-from fleet_ext.framework.contracts import AttentionOps
+from fleet_ext.framework.contracts import AttentionOps, MoEOps
 from fleet_ext.registry import BACKEND_GUARANTEE, CLAIMS_LEGEND, FUSIONS, PLATFORMS, check_capability
 
 
@@ -43,6 +44,11 @@ class BackendProvider:
         sparse = self._resolve("dsa_sink_grad_fusion")
         inv_rope_postmix = self._resolve("fuse_inv_rope_into_vha_postmix")
         self._rows.append(ResolvedSwitch("use_fused_mhc", False, "reference (pure Paddle)", "switch off (default)"))
+        permute = self._resolve("moe_permute_fusion")  # its module's `unpermute` is the inverse, resolved with it
+        router = self._resolve("moe_router_fusion")  # off: the routers' own maths (the reference's op sequence)
+        self.moe_ops = MoEOps(permute=permute, unpermute=importlib.import_module(permute.__module__).unpermute,
+                              router=router if config.fusion.moe_router_fusion else None)
+        self._rows.append(ResolvedSwitch("moe_expert_fusion", False, "reference (pure Paddle)", "switch off (default)"))
         reference_sparse = functools.partial(sparse, remap=remap)
         self.attention_ops = AttentionOps(
             rope=rope,

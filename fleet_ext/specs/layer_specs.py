@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 from fleet_ext.config import FleetExtConfig, recompute_plan
+from fleet_ext.framework.contracts import MoEOps
 from fleet_ext.framework.spec import LayerSpec
 from fleet_ext.layer_kinds import LayerKind, layer_attention
 from fleet_ext.specs.backend import BackendProvider
 
 
-def mlp_spec(config: FleetExtConfig, layer_number: int, recompute: frozenset[str] = frozenset()) -> LayerSpec:
-    """Dense SwiGLU for the first ``first_k_dense_replace`` layers, DeepSeekMoE otherwise."""
+def mlp_spec(
+    config: FleetExtConfig, layer_number: int, recompute: frozenset[str] = frozenset(), moe_ops: MoEOps | None = None
+) -> LayerSpec:
+    """Dense SwiGLU for the first ``first_k_dense_replace`` layers, DeepSeekMoE (with ``moe_ops``) otherwise."""
     from fleet_ext.layers.mlp import SwiGLUMLP
     from fleet_ext.layers.moe import MoELayer
 
     if layer_number < config.moe.first_k_dense_replace:
         width = {"hidden_size": config.model.hidden_size, "ffn_hidden_size": config.moe.intermediate_size}
         return LayerSpec(SwiGLUMLP, params=width)
-    return LayerSpec(MoELayer, params={"layer_number": layer_number, "recompute_modules": recompute})
+    return LayerSpec(MoELayer, params={"layer_number": layer_number, "recompute_modules": recompute, "ops": moe_ops})
 
 
 def decoder_layer_spec(config: FleetExtConfig, layer_number: int, backend: BackendProvider) -> LayerSpec:
@@ -39,5 +42,5 @@ def decoder_layer_spec(config: FleetExtConfig, layer_number: int, backend: Backe
     return LayerSpec(
         TransformerLayer,
         params={"layer_number": layer_number, "recompute_modules": recompute},
-        sublayers={"self_attention": attention, "mlp": mlp_spec(config, layer_number, recompute)},
+        sublayers={"self_attention": attention, "mlp": mlp_spec(config, layer_number, recompute, backend.moe_ops)},
     )

@@ -40,14 +40,14 @@ class TransformerLayer(FleetLayer):
         self.mlp = build_layer(sublayers["mlp"], config)
         # Hash-routed MoE layers and -2 attention (its indexer loss mask) take the token ids; the other
         # sublayers do not. Decided once, here.
-        self.mlp_routes_tokens = "input_ids" in inspect.signature(self.mlp.forward).parameters
+        self.mlp_routes_tokens = "input_ids" in inspect.signature(self.mlp.forward).parameters  # MoE: also the layout
         self.attention_takes_ids = "input_ids" in inspect.signature(self.self_attention.forward).parameters
         if self.use_mhc:
             self.mhc_attn = HyperConnection(m)
             self.mhc_mlp = HyperConnection(m)
 
-    def _mlp(self, x: paddle.Tensor, input_ids: paddle.Tensor | None) -> paddle.Tensor:
-        return self.mlp(x, input_ids=input_ids) if self.mlp_routes_tokens else self.mlp(x)
+    def _mlp(self, x: paddle.Tensor, input_ids: paddle.Tensor | None, layout: SequenceLayout | None) -> paddle.Tensor:
+        return self.mlp(x, input_ids=input_ids, layout=layout) if self.mlp_routes_tokens else self.mlp(x)
 
     def _attention(
         self, x: paddle.Tensor, input_ids: paddle.Tensor | None, layout: SequenceLayout | None
@@ -68,12 +68,12 @@ class TransformerLayer(FleetLayer):
                 self.recompute_attention, self._attention, self.input_layernorm(hidden_states), input_ids, layout
             )
             hidden_states = hidden_states + attn_out
-            return hidden_states + self._mlp(self.pre_mlp_layernorm(hidden_states), input_ids)
+            return hidden_states + self._mlp(self.pre_mlp_layernorm(hidden_states), input_ids, layout)
         post, comb, collapsed = maybe_checkpointed(self.recompute_mhc, self.mhc_attn, hidden_states)
         attn_out = maybe_checkpointed(
             self.recompute_attention, self._attention, self.input_layernorm(collapsed), input_ids, layout
         )
         hidden_states = maybe_checkpointed(self.recompute_mhc, hyper_combine, hidden_states, attn_out, post, comb)
         post, comb, collapsed = maybe_checkpointed(self.recompute_mhc, self.mhc_mlp, hidden_states)
-        mlp_out = self._mlp(self.pre_mlp_layernorm(collapsed), input_ids)
+        mlp_out = self._mlp(self.pre_mlp_layernorm(collapsed), input_ids, layout)
         return maybe_checkpointed(self.recompute_mhc, hyper_combine, hidden_states, mlp_out, post, comb)

@@ -1,4 +1,4 @@
-"""Training checkpoints in FlexCheckpoint format: written atomically, found safely, loaded without resharding.
+"""Training checkpoints in FlexCheckpoint format: written atomically, found safely, loaded into any layout.
 
 Layout of ``<output_dir>/checkpoint-<step>/``::
 
@@ -18,12 +18,16 @@ Loading: in one process, ``paddle.distributed.load_state_dict`` (purely local re
 GPU). With several processes, FlexCheckpoint's own loader moves tensors between ranks with ``.cuda()``
 copies, which the CPU build cannot do; so each rank instead reads the chunks it needs straight from the
 checkpoint files (:func:`read_local`: the metadata says which file holds which region; no cross-rank
-traffic). That path works on CPU and GPU alike, for any number of ranks at save and at load.
+traffic). That path works on CPU and GPU alike, for any number of ranks and any expert-parallel split at
+save and at load. Both paths first refuse tensors whose global shape differs from the model's. Flattened
+(sharding-v2) chunks are refused: Paddle 3.3.1 maps their flat ranges to boxes with ``minimal_nd_slice``,
+which is wrong for three or more dimensions; fleet_ext never writes them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -215,7 +219,11 @@ def read_local(state_dict: dict, path: str | os.PathLike) -> None:
     chunks: dict[str, dict[tuple, str]] = defaultdict(dict)
     for index, fname in sorted(meta.storage_metadata.items(), key=lambda kv: not kv[1].startswith(own_file)):
         if index.is_flattened:
-            raise CheckpointError(f"{path}: flattened tensor {index.tensor_key} is not supported by the local reader")
+            raise CheckpointError(
+                f"{path}: tensor `{index.tensor_key}` is saved flattened (flat range {index.flattened_range}, a "
+                "sharding-v2 checkpoint): fleet_ext reads only box-shaped chunks (Paddle 3.3.1's flat-range loader "
+                "misplaces tensors of three or more dimensions). Fix: re-save it from a run without sharding-v2"
+            )
         region = (tuple(index.global_offset), tuple(index.local_shape))
         chunks[index.tensor_key].setdefault(region, fname)  # one replica per region, preferring our own file
     files: dict[str, dict] = {}
@@ -251,10 +259,31 @@ def read_local(state_dict: dict, path: str | os.PathLike) -> None:
         paddle.assign(out.astype(target.dtype).to(target.place), target)
 
 
-def load_sharded(state_dict: dict, path: str | os.PathLike, world_size: int) -> None:
-    """FlexCheckpoint load that never reshards across ranks (see the module docstring)."""
-    if world_size == 1:
-        meta = _metadata(Path(path))
+def _check_global_shapes(state_dict: dict, meta: Any, path: str | os.PathLike, hint: str = "") -> None:
+    """Refuse a checkpoint whose tensors have another global shape than the model's (e.g. another expert count).
+
+    Without this, a smaller model would silently load a corner of each larger saved tensor, and a larger one
+    would fail on only the ranks whose shards reach past the saved shape (the others would wait forever).
+    Every rank holds every key with the same global shape, so every rank raises the same error.
+    """
+    for key, weight in state_dict.items():
+        saved = meta.state_dict_metadata.get(key)
+        shape = saved[0].global_shape if saved else None
+        if shape is not None and tuple(shape) != tuple(weight.global_shape):
+            raise CheckpointError(
+                f"{path}: tensor `{key}` has global shape {list(shape)} in the checkpoint but "
+                f"{list(weight.global_shape)} in this model{hint}. Fix: resume with the model keys the checkpoint "
+                "was saved with (its config.yaml), or start a fresh run (new output_dir, `resume_from_checkpoint: "
+                "null`)"
+            )
+
+
+def load_sharded(state_dict: dict, path: str | os.PathLike, world_size: int, hint: str = "") -> None:
+    """FlexCheckpoint load into any layout: one process reads with Paddle's loader, several with
+    :func:`read_local` (see the module docstring). ``hint``: what differs between the runs, for the error."""
+    meta = _metadata(Path(path))
+    _check_global_shapes(state_dict, meta, path, hint)
+    if world_size == 1 and not any(index.is_flattened for index in meta.storage_metadata):
         missing = sorted(set(state_dict) - set(meta.state_dict_metadata))
         if missing:
             raise CheckpointError(f"{path}: tensors missing from the checkpoint: {missing[:5]}")
@@ -336,6 +365,25 @@ def save_checkpoint(
     return final
 
 
+def _config_difference(path: Path, config: Any) -> str:
+    """`` (saved with n_routed_experts = 8, this run has 4)``: the model keys that differ from the checkpoint's
+    config.yaml, for the shape error; empty when the file or the model's config is not there."""
+    saved_file = path / "config.yaml"
+    if config is None or not saved_file.is_file() or not hasattr(config, "to_dict"):
+        return ""
+    import yaml
+
+    saved = yaml.safe_load(saved_file.read_text(encoding="utf-8")) or {}
+    sections = [getattr(config, name, None) for name in ("model", "moe")]
+    now: dict[str, Any] = {}
+    for section in sections:
+        if dataclasses.is_dataclass(section):
+            now.update(dataclasses.asdict(section))
+    diff = [f"{key} = {saved[key]!r}, this run has {value!r}" for key, value in now.items()
+            if key in saved and saved[key] != value]
+    return f" (the checkpoint was saved with {'; '.join(diff)})" if diff else ""
+
+
 def load_checkpoint(
     path: str | os.PathLike,
     model: paddle.nn.Layer,
@@ -349,7 +397,8 @@ def load_checkpoint(
         raise CheckpointError(f"{path} is not a complete checkpoint")
     with open(path / TRAINER_STATE, encoding="utf-8") as fh:
         state = json.load(fh)
-    load_sharded(model.sharded_state_dict(), path / MODEL_DIR, env.world_size)
+    hint = _config_difference(path, getattr(model, "config", None))
+    load_sharded(model.sharded_state_dict(), path / MODEL_DIR, env.world_size, hint)
     opt_keys = set(_metadata(path / OPTIMIZER_DIR).state_dict_metadata)
     _create_optimizer_state(optimizer, model, opt_keys)
     opt_sd = optimizer_sharded_state_dict(optimizer, model)

@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
 
         overrides = parse_overrides(rest)
         config = load_config(args.config, **overrides)
+        from fleet_ext.training.hf_interop import resolve_config
+
+        config = resolve_config(config)  # model_name_or_path: before the data and machine checks below
         from fleet_ext.training.data import prepare_data
         from fleet_ext.training.faults import parse_faults
 

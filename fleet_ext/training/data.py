@@ -17,9 +17,10 @@ ids made by any tokenizer with ``--from-npy ids.npy --vocab-size V``.
 Packing: sample ``i`` is ``tokens[i*L : i*L + L + 1]`` (L = ``max_seq_len``), inputs its first L ids and
 labels its last L. The sample order is a fresh permutation per epoch drawn from ``(seed, epoch)``; the
 global batch of a step is the next ``micro_batch * gradient_accumulation_steps * world_size`` samples of
-that order, and rank ``r`` takes micro-batch ``m`` from slot ``m * world_size + r``. The position is one
-integer, ``consumed_samples``, saved in every checkpoint. With this layout DP=2 and DP=1 with twice the
-accumulation see the same micro-batches.
+that order, and data-parallel rank ``r`` takes micro-batch ``m`` from slot ``m * world_size + r`` (here
+``world_size`` is the data-parallel size: the context-parallel ranks of one data-parallel rank read the same
+samples). The position is one integer, ``consumed_samples``, saved in every checkpoint. With this layout DP=2
+and DP=1 with twice the accumulation see the same micro-batches.
 """
 
 from __future__ import annotations
@@ -159,10 +160,14 @@ def builtin_corpus() -> np.ndarray:
 
 
 class PackedSequences:
-    """Fixed-length training sequences cut from one token stream (sample i = tokens[i*L : i*L + L + 1])."""
+    """Fixed-length training sequences cut from one token stream (sample i = tokens[i*L : i*L + L + 1]).
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, name: str) -> None:
-        self.tokens, self.seq_len, self.name = tokens, seq_len, name
+    With ``vocab_size`` every batch is range-checked here, on the host, as it is cut: the model does not read its
+    device inputs back to check them (a device-to-host round trip per forward).
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, name: str, vocab_size: int | None = None) -> None:
+        self.tokens, self.seq_len, self.name, self.vocab_size = tokens, seq_len, name, vocab_size
         self.num_samples = max((len(tokens) - 1) // seq_len, 0)
 
     def __len__(self) -> int:
@@ -174,6 +179,14 @@ class PackedSequences:
             [np.asarray(self.tokens[i * self.seq_len : i * self.seq_len + self.seq_len + 1]) for i in indices]
         )
         rows = rows.astype(np.int64)
+        if self.vocab_size is not None and rows.size:
+            low, high = int(rows.min()), int(rows.max())
+            if low < 0 or high >= self.vocab_size:
+                raise DataError(
+                    f"{self.name} samples {list(indices)}: `input_ids` / labels must lie in [0, {self.vocab_size}) "
+                    f"(the model's `vocab_size`), got [{low}, {high}]. Fix: re-tokenize the data for this vocabulary "
+                    "or raise vocab_size"
+                )
         return rows[:, :-1], rows[:, 1:]
 
 
@@ -250,7 +263,7 @@ def prepare_data(training, model_vocab_size: int) -> TrainingData:
     elif training.eval_split_ratio > 0:
         held = int(len(tokens) * training.eval_split_ratio)
         tokens, eval_tokens = tokens[: len(tokens) - held], tokens[len(tokens) - held :]
-    train = PackedSequences(tokens, seq, "train")
+    train = PackedSequences(tokens, seq, "train", model_vocab_size)
     if len(train) == 0:
         raise DataError(
             f"config key `train_dataset_path` = '{training.train_dataset_path}': {len(tokens)} training tokens are "
@@ -258,7 +271,8 @@ def prepare_data(training, model_vocab_size: int) -> TrainingData:
         )
     held_out = None
     if training.eval_iters > 0:
-        held_out = PackedSequences(eval_tokens if eval_tokens is not None else tokens[:0], seq, "eval")
+        held_out = PackedSequences(eval_tokens if eval_tokens is not None else tokens[:0], seq, "eval",
+                                   model_vocab_size)
         if len(held_out) == 0:
             key = "eval_dataset_path" if training.eval_dataset_path is not None else "eval_split_ratio"
             raise DataError(

@@ -90,15 +90,21 @@ def build_optimizer(model: paddle.nn.Layer, training: Any) -> tuple[paddle.optim
     return optimizer, scheduler, no_decay
 
 
-def clip_grad_norm_(params: list, max_norm: float) -> float:
+def clip_grad_norm_(params: list, max_norm: float, square_sums: dict | None = None) -> float:
     """Global L2 norm of the gradients (fp32, fixed parameter order); scale them to ``max_norm`` if above it.
 
-    Returns the norm before clipping (``nan``/``inf`` when a gradient is not finite; nothing is scaled then).
+    ``square_sums`` ({id(param): fp32 scalar}) replaces a parameter's own term (expert shards: their whole
+    gradient's, from ``parallel.expert_parallel.expert_grad_square_sums``). Returns the norm before clipping
+    (``nan``/``inf`` when a gradient is not finite; nothing is scaled then).
     """
-    grads = [p.grad for p in params if p.grad is not None]
+    square_sums = square_sums or {}
+    live = [p for p in params if p.grad is not None]
+    grads = [p.grad for p in live]
     if not grads:
         return 0.0
-    total = paddle.sqrt(paddle.add_n([paddle.sum(paddle.square(g.astype("float32"))) for g in grads]))
+    terms = [square_sums.get(id(p)) for p in live]
+    terms = [t if t is not None else paddle.sum(paddle.square(p.grad.astype("float32"))) for t, p in zip(terms, live)]
+    total = paddle.sqrt(paddle.add_n(terms))
     norm = float(total)
     if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
         scale = paddle.to_tensor(max_norm / (norm + 1e-6), dtype="float32")

@@ -7,9 +7,12 @@ One optimizer step on each rank:
    DSA indexer KL x ``dsa_indexer_loss_coeff``) join the gradients inside the model through their
    auto-scalers, whose backward scale is set to 1: the same scale as the main loss, because the
    average over micro-batches and ranks is taken once, below. Gradients accumulate in ``.grad``.
-2. One all-reduce of the summed gradients, then a multiply by 1 / (accumulation x world). (Sum first,
-   scale once: with two addends the result is bitwise independent of how they were split over ranks
-   and micro-batches, so DP=2 reproduces DP=1 with twice the accumulation exactly.)
+2. One all-reduce of the summed gradients, then a multiply by 1 / (accumulation x data-parallel size). (Sum
+   first, scale once: with two addends the result is bitwise independent of how they were split over ranks
+   and micro-batches, so DP=2 reproduces DP=1 with twice the accumulation exactly.) Under context parallelism
+   (``world = dp x cp``, CP the inner group) the ``cp`` ranks of one data-parallel rank read the same samples
+   and each feeds its contiguous chunk of every sequence; the model's loss is the whole sequences' mean on each
+   of them and each rank's backward yields its chunk's share, so the same all-reduce also sums over CP.
 3. One all-reduce of the loss and of the MoE routers' token counts. A non-finite loss stops the run
    here, before the optimizer step, with exit code 3 and every checkpoint untouched.
 4. Global-norm clipping, AdamW step, LR schedule step, aux-loss-free expert-bias update from the
@@ -32,19 +35,23 @@ import paddle
 
 from fleet_ext import capability
 from fleet_ext.config import FleetExtConfig
-from fleet_ext.layer_kinds import LayerKind, kinds_of
-from fleet_ext.models import DSv4ForCausalLM
+from fleet_ext.config.parallel import check_expert_parallel
 from fleet_ext.ops.launch import LAUNCH_COUNTS
-from fleet_ext.parallel.distributed import DistEnv, init_distributed
+from fleet_ext.parallel.distributed import DistEnv, ParallelTopology, env_world, init_distributed
+from fleet_ext.parallel.expert_parallel import expert_grad_square_sums, reduce_expert_gradients_
 from fleet_ext.registry import check_capability
 from fleet_ext.training import checkpoint as ckpt
+from fleet_ext.training import hf_interop
 from fleet_ext.training.data import SampleOrder, TrainingData, prepare_data
 from fleet_ext.training.faults import FaultPlan
 from fleet_ext.training.metrics import LOSS_PLOT, MetricsLog, plot_loss
 from fleet_ext.training.optim import build_optimizer, clip_grad_norm_
 from fleet_ext.training.summary import startup_table
 
-__all__ = ["TrainingError", "Trainer", "check_runtime"]
+__all__ = ["AUX_LOSSES", "TrainingError", "Trainer", "check_runtime"]
+
+# The auxiliary losses the model reports (``DSv4ForCausalLM.auxiliary_losses``), reduced with the LM loss.
+AUX_LOSSES = ("moe_aux_loss", "indexer_loss", "indexer_loss_csa", "indexer_loss_mla", "mtp_loss")
 
 
 class TrainingError(RuntimeError):
@@ -58,6 +65,15 @@ def check_runtime(config: FleetExtConfig) -> None:
     ...) already failed in ``load_config``; left here: bf16 on the Paddle build, and every fusion switch's
     capability gate (``registry.check_capability``, the backend provider's gate, run without building a model).
     """
+    cp = config.parallel.context_parallel_size
+    _, world = env_world()
+    if world % cp:
+        raise ValueError(
+            f"config key `context_parallel_size` = {cp} is invalid: allowed a divisor of the number of launched "
+            f"processes ({world}), as world = data parallel x context parallel. Fix: launch a multiple of {cp} "
+            "processes (--nproc_per_node) or change context_parallel_size"
+        )
+    check_expert_parallel(config.moe, config.parallel.expert_model_parallel_size, world, cp)
     if config.training.bf16 and not paddle.is_compiled_with_cuda():
         raise ValueError(
             "config key `bf16` = True cannot run on this machine: Paddle's CPU build has no bf16 matmul kernels. "
@@ -83,19 +99,26 @@ class Trainer:
         faults: FaultPlan | None = None,
         log_stream: Any = None,
     ) -> None:
+        config = hf_interop.resolve_config(config)  # model_name_or_path: the architecture of the HF directory
         check_runtime(config)  # before joining the process group or building the model
         self.config = config
         t = config.training
         self.data = data or prepare_data(t, config.model.vocab_size)
         self.env = env or init_distributed()
+        par = config.parallel
+        self.topology = ParallelTopology.build(
+            self.env, par.context_parallel_size, par.expert_model_parallel_size, par.moe_token_dispatcher_type
+        )
         self.faults = faults or FaultPlan([])
         self.out = Path(t.output_dir)
         self._log_stream = log_stream or sys.stdout
         self._bar = None
         # Same initial weights everywhere (same seed, then rank 0's copy broadcast), then per-rank seeds.
         _seed_all(t.seed)
-        self.model = DSv4ForCausalLM(config)
+        self.model = hf_interop.build_model(config)  # then the model_name_or_path weights, when set
         self.env.broadcast_parameters(self.model)
+        self.model.use_context_parallel(self.topology.cp_group)
+        self.model.use_expert_parallel(self.topology.ep_group)  # after the broadcast: slices of the final weights
         _seed_all(t.seed + self.env.rank)
         self.optimizer, self.scheduler, self.no_decay = build_optimizer(self.model, t)
         self.params = [p for p in self.model.parameters() if not p.stop_gradient]
@@ -104,7 +127,7 @@ class Trainer:
             len(self.data.train),
             t.per_device_train_batch_size,
             t.gradient_accumulation_steps,
-            self.env.world_size,
+            self.topology.dp_size,
             t.seed,
         )
         self.metrics = MetricsLog(self.out, self.env.is_main)
@@ -135,14 +158,14 @@ class Trainer:
 
     # -- one step ------------------------------------------------------------------------------------
     def _aux_losses(self) -> list[paddle.Tensor]:
-        """Detached values of the last forward's auxiliary losses, for the metrics: [MoE seq aux, indexer KL].
+        """Detached values of the last forward's auxiliary losses, for the metrics, in ``AUX_LOSSES`` order.
 
-        Both losses reach the gradients inside the model (their auto-scalers, each already multiplied by its
-        coefficient, e.g. ``dsa_indexer_loss_coeff``); the trainer only sets their backward scale
-        (:meth:`_set_aux_loss_scales`) and logs them.
+        They reach the gradients inside the model (their auto-scalers, each already multiplied by its
+        coefficient, e.g. ``dsa_indexer_loss_coeff``, ``mtp_loss_scaling_factor``); the trainer only sets their
+        backward scale (:meth:`_set_aux_loss_scales`) and logs them.
         """
         losses = self.model.auxiliary_losses()
-        return [losses["moe_aux_loss"], losses["indexer_loss"]]
+        return [losses[name] for name in AUX_LOSSES]
 
     def _set_aux_loss_scales(self) -> None:
         """Auxiliary-loss gradients get the main loss's backward scale: 1, as each micro-batch's mean loss is
@@ -155,29 +178,33 @@ class Trainer:
         t, env = self.config.training, self.env
         self.faults.kill_point("kill", step, env.rank)
         self.model.train()
-        sums = paddle.zeros([3], dtype="float32")  # LM loss, MoE aux loss, indexer loss
+        sums = paddle.zeros([1 + len(AUX_LOSSES)], dtype="float32")  # the LM loss, then AUX_LOSSES
         for micro in range(t.gradient_accumulation_steps):
-            inputs, labels = self.data.train.get(self.order.sample_ids(self.consumed_samples, micro, env.rank))
+            ids = self.order.sample_ids(self.consumed_samples, micro, self.topology.dp_rank)
+            inputs, labels = self._my_chunk(*self.data.train.get(ids))
             with self._autocast():
                 _, loss = self.model(paddle.to_tensor(inputs), labels=paddle.to_tensor(labels))
             loss = self.faults.poison_loss(loss.astype("float32"), step, env.rank)
             loss.backward()
             sums = sums + paddle.concat([loss.detach().reshape([1]), *self._aux_losses()])
-        parts = t.gradient_accumulation_steps * env.world_size
-        env.reduce_gradients_(self.params, 1.0 / parts)
+        # Every CP rank holds the whole sequences' loss; the aux losses are each rank's share (see the docstring).
+        samples = t.gradient_accumulation_steps * self.topology.dp_size
+        self._reduce_gradients(1.0 / samples)
         counts = [layer.tokens_per_expert.reshape([-1]) for layer in self.moe_layers]
         stats = env.all_reduce_sum_(paddle.concat([sums, *counts]))
-        loss_value, moe_aux, indexer = (v / parts for v in stats[:3].tolist())
+        loss_sum, *aux_sums = stats[: 1 + len(AUX_LOSSES)].tolist()
+        loss_value = loss_sum / (samples * self.topology.cp_size)
+        aux = {name: value / samples for name, value in zip(AUX_LOSSES, aux_sums)}
         if not math.isfinite(loss_value):
             raise TrainingError(self._nonfinite("loss", loss_value, step))
-        grad_norm = clip_grad_norm_(self.params, t.max_grad_norm)
+        grad_norm = self._clip_gradients(t.max_grad_norm)
         if not math.isfinite(grad_norm):
             raise TrainingError(self._nonfinite("gradient norm", grad_norm, step))
         lr = self.scheduler()
         self.optimizer.step()
         self.optimizer.clear_grad(set_to_zero=False)  # None, not zeros: untouched parameters stay un-updated
         self.scheduler.step()
-        offset = 3
+        offset = 1 + len(AUX_LOSSES)
         # Indexer warm-up freezes the backbone; the routing bias is part of it, so only its counts reset.
         frozen = self.config.model.train_indexer_only
         for layer in self.moe_layers:
@@ -189,13 +216,48 @@ class Trainer:
             offset += n
         self.consumed_samples += self.order.global_batch
         self.global_step = step
-        out = {"loss": loss_value, "lr": lr, "grad_norm": grad_norm}
+        return {"loss": loss_value, "lr": lr, "grad_norm": grad_norm, **self._aux_metrics(aux)}
+
+    def _reduce_gradients(self, scale: float) -> None:
+        """Dense gradients summed over the world; expert shards over the expert-data-parallel group (their expert
+        group's sum happened in the dispatch's backward); the same ``scale`` for both."""
+        ep = self.topology.ep_group
+        if ep is None:
+            self.env.reduce_gradients_(self.params, scale)
+            return
+        experts = {id(p) for p in self.model.expert_parameters()}
+        self.env.reduce_gradients_([p for p in self.params if id(p) not in experts], scale)
+        reduce_expert_gradients_([p for p in self.params if id(p) in experts], scale, ep)
+
+    def _clip_gradients(self, max_norm: float) -> float:
+        """Global-norm clipping; under expert parallelism each expert shard's term is its whole gradient's (so the
+        norm is the unsharded run's)."""
+        ep = self.topology.ep_group
+        if ep is None:
+            return clip_grad_norm_(self.params, max_norm)
+        return clip_grad_norm_(self.params, max_norm, expert_grad_square_sums(self.model.expert_parameters(), ep))
+
+    def _aux_metrics(self, aux: dict[str, float]) -> dict[str, float]:
+        """The auxiliary losses this config trains, as logged (``aux``: sums over layers, averaged over samples)."""
+        m, out = self.config.model, {}
         if self.config.moe.moe_router_load_balancing_type != "none":
-            out["moe_aux_loss"] = moe_aux
-        if self.config.model.dsa_indexer_loss_coeff > 0:  # mean over the -2 layers, as the model reports them
-            n_mla = kinds_of(self.config.model).count(LayerKind.HYBRID_MLA)
-            out["indexer_loss"] = indexer / max(n_mla, 1)
+            out["moe_aux_loss"] = aux["moe_aux_loss"]
+        if m.dsa_indexer_loss_coeff > 0:  # means over the layers with an indexer KL: all of them, then by kind
+            layers = self.model.indexer_layers()
+            out["indexer_loss"] = aux["indexer_loss"] / max(sum(map(len, layers.values())), 1)
+            out.update({f"indexer_loss_{k}": aux[f"indexer_loss_{k}"] / len(v) for k, v in layers.items() if v})
+        if m.num_nextn_predict_layers:  # mean over the MTP depths, before mtp_loss_scaling_factor
+            out["mtp_loss"] = aux["mtp_loss"]
         return out
+
+    def _my_chunk(self, inputs: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """This rank's contiguous chunk of each sequence under context parallelism (all of it otherwise)."""
+        topo = self.topology
+        if topo.cp_size == 1:
+            return inputs, labels
+        chunk = inputs.shape[1] // topo.cp_size
+        keep = slice(topo.cp_rank * chunk, (topo.cp_rank + 1) * chunk)
+        return inputs[:, keep], labels[:, keep]
 
     def _nonfinite(self, what: str, value: float, step: int) -> str:
         last = ckpt.find_latest_checkpoint(self.out)
@@ -217,8 +279,8 @@ class Trainer:
         bs = t.per_device_eval_batch_size
         with paddle.no_grad():
             for i in range(t.eval_iters):
-                base = (i * env.world_size + env.rank) * bs
-                inputs, labels = held.get([(base + j) % len(held) for j in range(bs)])
+                base = (i * self.topology.dp_size + self.topology.dp_rank) * bs
+                inputs, labels = self._my_chunk(*held.get([(base + j) % len(held) for j in range(bs)]))
                 with self._autocast():
                     _, loss = self.model(paddle.to_tensor(inputs), labels=paddle.to_tensor(labels))
                 total = total + loss.astype("float32").reshape([1])
@@ -383,7 +445,7 @@ class Trainer:
                 "loss": out["loss"],
                 "lr": out["lr"],
                 "grad_norm": out["grad_norm"],
-                **{k: out[k] for k in ("moe_aux_loss", "indexer_loss") if k in out},
+                **{k: v for k, v in out.items() if k not in ("loss", "lr", "grad_norm")},
                 "tokens_per_sec": tokens_per_sec,
                 "tokens": self.consumed_samples * t.max_seq_len,
                 "epoch": self.order.epoch(self.consumed_samples),

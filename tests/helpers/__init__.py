@@ -5,7 +5,8 @@
 - ``launches``: ``expect_launches``, proof that a fused kernel ran;
 - ``configs``: the tiny model configurations;
 - ``oracles``: independent float64 NumPy oracles (``from helpers import oracles as orc``);
-- ``torch_rope``: the RoPE reference's op sequence in eager torch.
+- ``torch_rope``: the RoPE reference's op sequence in eager torch;
+- ``transfers``: ``HostTransfers``, counts host round trips (``from helpers.transfers import HostTransfers``).
 
 Importable from every test directory (tests/conftest.py puts ``tests/`` on ``sys.path``); imports neither
 Paddle nor torch, so tests/gpu can use it on a machine without Paddle.

@@ -385,6 +385,41 @@ def kl_rows(probs, student_scores, cand, row_mask=None):
     return total / max(rows, 1)
 
 
+def kl_rows_grad(probs, student_scores, cand, row_mask=None) -> np.ndarray:
+    """d ``kl_rows`` / d student_scores [b, s, n]: (softmax(I) - p) / rows on each kept row's candidates, else 0
+    (dsv4_math.md §6.3; p the head-summed, L1-normalised target, rows the number of kept rows)."""
+    b, h, s, n_keys = probs.shape
+    grad, rows = np.zeros((b, s, n_keys)), 0
+    for bi in range(b):
+        for t in range(s):
+            keys = [j for j in range(n_keys) if cand[bi, t, j]]
+            if not keys or (row_mask is not None and not row_mask[bi, t]):
+                continue
+            p = np.array([probs[bi, :, t, j].sum() for j in keys])
+            if p.sum() <= 0:
+                continue
+            z = np.array([student_scores[bi, t, j] for j in keys])
+            q = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+            grad[bi, t, keys] = q - p / p.sum()
+            rows += 1
+    return grad / max(rows, 1)
+
+
+def sparse_attention_probs(q, kv, idx, sink, scale) -> np.ndarray:
+    """Per-head probabilities [B, H, S, N] of every kv row under ``sparse_attention_fwd``'s softmax (the sink
+    in the denominator, the sink's own mass dropped): exp(scale q.kv_j - lse) for j in idx[b, t], else 0."""
+    q, kv = f64(q), f64(kv)
+    _, lse = sparse_attention_fwd(q, kv, idx, sink, scale)
+    bsz, seq, heads, _ = q.shape
+    probs = np.zeros((bsz, heads, seq, kv.shape[1]))
+    for b in range(bsz):
+        for t in range(seq):
+            for j in (j for j in idx[b, t] if j >= 0):
+                for h in range(heads):
+                    probs[b, h, t, j] = math.exp(scale * q[b, t, h] @ kv[b, j] - lse[b, t, h])
+    return probs
+
+
 # --------------------------------------------------------------------------------------------------
 # mHC (§3).
 # --------------------------------------------------------------------------------------------------

@@ -104,8 +104,15 @@ def test_paddlefleet_only_keys_raise_remove_it(key):
     "overrides, pattern",
     [
         ({"tensor_model_parallel_size": 2}, r"`tensor_model_parallel_size` = 2 is invalid.*does not support tensor"),
-        ({"context_parallel_size": 2}, r"`context_parallel_size` = 2: context parallelism is not supported yet"),
-        ({"expert_model_parallel_size": 2}, r"`expert_model_parallel_size` = 2: expert parallelism is not supported"),
+        ({"context_parallel_size": 3}, r"`context_parallel_size` = 3 is invalid: allowed a divisor of max_seq_len"),
+        ({"context_parallel_size": 2, "max_seq_len": 384, "csa_window_size": 16},
+         r"`max_seq_len` = 384 is invalid: allowed a multiple of context_parallel_size x 128 \(layer \d+ is hca"),
+        ({"context_parallel_size": 2, "max_seq_len": 192},
+         r"`context_parallel_size` = 2 is invalid: allowed at most 1 here: each rank's chunk \(96 tokens\) must "
+         r"hold the 127-token window halo"),
+        ({"expert_model_parallel_size": 3}, r"`expert_model_parallel_size` = 3 is invalid: allowed a divisor of "
+         r"n_routed_experts"),
+        ({"moe_token_dispatcher_type": "deepep"}, r"`moe_token_dispatcher_type` = 'deepep' is invalid"),
         ({"pipeline_model_parallel_size": 2}, r"pipeline parallelism is not supported yet"),
         ({"sequence_parallel": True}, r"`sequence_parallel`.*needs tensor parallelism"),
         ({"cp_balance_mode": "dualchunk_allgather"}, r"`cp_balance_mode`.*contiguous_allgather"),
@@ -117,11 +124,19 @@ def test_paddlefleet_only_keys_raise_remove_it(key):
         ({"csa_compress_ratios": [0, 4.0, 128, 0]}, r"integers only"),
         ({"hybrid_mla_attention": "mqa_dsa"}, r"`hybrid_mla_attention`.*'mha' unless csa_compress_ratios has a -2"),
         ({"hybrid_mla_attention": "dense"}, r"allowed one of \['mha', 'mqa_full_causal', 'mqa_dsa'\]"),
-        ({"num_nextn_predict_layers": 1}, r"building MTP layers is not supported yet"),
+        ({"num_nextn_predict_layers": 1},
+         r"`csa_compress_ratios` = .* allowed a list of 5 integers \(num_hidden_layers \+ num_nextn_predict_layers\)"),
         ({"qk_pos_emb_head_dim": 7}, r"`qk_pos_emb_head_dim` = 7.*even integer"),
         ({"o_groups": 7}, r"`o_groups` = 7.*divisor of num_attention_heads \* v_head_dim"),
         ({"dsa_index_head_dim": 32}, r"`dsa_index_head_dim` = 32.*>= qk_pos_emb_head_dim"),
-        ({"dsa_indexer_loss_coeff": 0.01}, r"training the CSA indexer.*not supported yet"),
+        ({"csa_dense_mode": True, "dsa_indexer_loss_coeff": 0.01},
+         r"`dsa_indexer_loss_coeff` = 0.01 is invalid: allowed 0.0 unless an indexer exists"),
+        ({"dsa_indexer_use_sparse_loss": True}, r"`dsa_indexer_use_sparse_loss` = True.*CSA layers always train"),
+        ({"train_indexer_only": True}, r"`dsa_indexer_loss_coeff` = 0.0.*> 0 with train_indexer_only"),
+        ({"train_indexer_only": True, "dsa_indexer_loss_coeff": 0.01, "csa_dense_mode": True},
+         r"`dsa_indexer_loss_coeff` = 0.01.*unless an indexer exists"),
+        ({"train_indexer_only": True, "csa_compress_ratios": [0, 128, 128, -1]},
+         r"`train_indexer_only` = True.*or a CSA layer without csa_dense_mode"),
         ({"mscale": 0.7}, r"`mscale` = 0.7.*forces YaRN mscale to 1"),
         ({"vha_postmix_rank": 0}, r"`vha_postmix_rank` = 0"),
         ({"use_vha_attention": True, "vha_postmix_grouped": True, "o_groups": 16, "num_attention_heads": 8},
@@ -153,6 +168,12 @@ def test_invalid_values_name_key_allowed_and_fix(overrides, pattern):
     with pytest.raises(ValueError, match=pattern) as err:
         load_config({**TINY, **overrides})
     assert "Fix" in str(err.value) or "allowed" in str(err.value) or "use" in str(err.value)
+
+
+def test_csa_indexer_loss_and_warmup_are_accepted():
+    """The CSA lightning indexer trains by its KL: a positive coefficient and the indexer warm-up load."""
+    assert load_config(TINY, dsa_indexer_loss_coeff=0.01).model.dsa_indexer_loss_coeff == 0.01
+    assert load_config(TINY, dsa_indexer_loss_coeff=0.01, train_indexer_only=True).model.train_indexer_only
 
 
 def test_replace_validates_like_a_yaml():

@@ -48,7 +48,8 @@ def test_supported_gpus_resolve_to_triton(sm):
     assert "bitwise equal" in rows["apply_rope_fusion"].reason
     # The qualified claim: verified on CPU fp32 and on the GPU against torch, not on a Paddle GPU build.
     assert "CPU fp32: yes, GPU (torch): yes, Paddle GPU: untested" in rows["apply_rope_fusion"].reason
-    assert "CP-safe: untested; recompute-safe: yes (CPU fp32); here: Paddle GPU" in rows["apply_rope_fusion"].reason
+    reason = rows["apply_rope_fusion"].reason
+    assert "CP-safe: yes (CPU fp32); recompute-safe: yes (CPU fp32); here: Paddle GPU" in reason
     assert rows["dsv4_q_rms_norm_fusion"].backend == "reference (pure Paddle)"
 
 

@@ -107,3 +107,23 @@ def test_unaligned_or_ragged_splits_are_not_exact_on_this_build(h, b, s, d, star
     mix, x = _operands(h, b, s, d)
     same = _equal(paddle.matmul(mix, x)[..., start:], paddle.matmul(mix, x[..., start:].contiguous()))
     assert not same, f"split at {start} of d={d}, h={h} became exact: the MKL behaviour changed, revisit split_start"
+
+
+# Context parallelism's bitwise logits rest on the *row*-slice property: a rank multiplies only its contiguous
+# chunk of the rows, ``matmul(x[:, lo:hi], W) == matmul(x, W)[:, lo:hi]``. (b, s, k, n): the CP tests' projection
+# shapes (tiny widths, s = 64 and 256 split in 2 and 4) and a few others.
+ROW_SHAPES = [(2, 64, 32, 16), (2, 64, 32, 64), (2, 64, 64, 256), (2, 256, 64, 32), (4, 256, 64, 96), (1, 512, 64, 256),
+              (2, 64, 16, 8), (3, 96, 128, 40)]
+
+
+@pytest.mark.parametrize("b,s,k,n", ROW_SHAPES)
+@pytest.mark.parametrize("cp", [2, 4])
+def test_row_slice_property_holds_for_contiguous_chunks(b, s, k, n, cp):
+    rng = np.random.default_rng(s + k + n)
+    x = paddle.to_tensor(rng.standard_normal((b, s, k)).astype("float32"))
+    w = paddle.to_tensor(rng.standard_normal((k, n)).astype("float32"))
+    full = paddle.matmul(x, w)
+    chunk = s // cp
+    for r in range(cp):
+        part = paddle.matmul(x[:, r * chunk : (r + 1) * chunk], w)
+        assert _equal(part, full[:, r * chunk : (r + 1) * chunk]), (b, s, k, n, cp, r)

@@ -59,7 +59,8 @@ def test_every_backbone_parameter_gets_gradient_and_the_indexer_none():
     for name, param in model.named_parameters():
         if ".indexer." in name:
             # The indexer's inputs are detached and its top-k is not differentiable: its only
-            # training signal is the indexer KL loss, which is not built yet (config rejects coeff > 0).
+            # training signal is the indexer KL loss, off here (dsa_indexer_loss_coeff 0; see
+            # test_csa_indexer_loss.py).
             assert param.grad is None or not np.any(param.grad.numpy()), name
             continue
         assert param.grad is not None, f"{name} got no gradient"

@@ -19,6 +19,7 @@ from fleet_ext.config import load_config
 from fleet_ext.framework.contracts import AttentionOps
 from fleet_ext.layers.dsa_indexer import DSAIndexer
 from fleet_ext.layers.mla import MLASelfAttention
+from fleet_ext.layers.mqa_latent_attention import MQALatentAttention
 from fleet_ext.models import DSv4ForCausalLM
 from fleet_ext.ops.sparse_attn.reference import sparse_attention_with_sink
 from fleet_ext.specs.backend import BackendProvider
@@ -330,16 +331,64 @@ def test_the_model_masks_padding_rows_of_the_indexer_loss():
          r"`train_indexer_only` = True.*only with a -2 layer under hybrid_mla_attention: mqa_dsa"),
         ({"dsa_indexer_use_sparse_loss": True}, r"`dsa_indexer_use_sparse_loss` = True.*unless an indexer exists"),
         ({"hybrid_mla_attention": "mqa_dsa", "dsa_indexer_loss_coeff": -1.0}, r"`dsa_indexer_loss_coeff` = -1.0"),
-        ({"csa_compress_ratios": [4, -2, -2], "hybrid_mla_attention": "mqa_dsa", "dsa_indexer_loss_coeff": 0.1},
-         r"training the CSA indexer.*not supported yet"),
         ({"hybrid_mla_rotary_scaling_factor": 0.0}, r"`hybrid_mla_rotary_scaling_factor` = 0.0.*positive number"),
         ({"kv_lora_rank": 512}, r"`kv_lora_rank` was renamed: use `hybrid_mla_kv_lora_rank`"),
+        ({"hybrid_mla_attention": "mqa_dsa", "mqa_indexer_cp_mode": "dualchunk"},
+         r"`mqa_indexer_cp_mode` = 'dualchunk' is invalid: allowed one of \['contiguous', 'dualchunk_p2p'\]"),
     ],
 )
 def test_invalid_hybrid_mla_configs_name_the_key_and_the_fix(overrides, pattern):
     with pytest.raises(ValueError, match=pattern) as err:
         load_config({**BASE, **overrides})
     assert "Fix" in str(err.value) or "renamed" in str(err.value)
+
+
+def test_indexer_cp_mode_reaches_the_core_and_is_checked_there():
+    """``mqa_indexer_cp_mode`` (parallel section) is handed to every -2 layer's core; the core refuses an unknown
+    mode itself, naming the key (a layer built without the config)."""
+    config = _config("mqa_dsa", mqa_indexer_cp_mode="dualchunk_p2p", dsa_indexer_use_sparse_loss=True)
+    assert config.parallel.mqa_indexer_cp_mode == "dualchunk_p2p"
+    assert _config("mqa_dsa").parallel.mqa_indexer_cp_mode == "contiguous"
+    layer = MLASelfAttention(config, 0, BackendProvider(config).attention_ops)
+    assert layer.core_attention.indexer_cp_mode == "dualchunk_p2p"
+    with pytest.raises(ValueError, match=r"`mqa_indexer_cp_mode` must be one of \['contiguous', 'dualchunk_p2p'\]"):
+        MQALatentAttention(config.model, layer.ops.mqa_sparse_attn, 1.0, "zigzag")
+
+
+def test_dualchunk_middle_rank_of_an_odd_group_keeps_its_halves():
+    """CP 3, rank 1 is its own mirror: it scores its early half against the keys before the half's end and its late
+    half against the keys before the chunk's end (no transfer, so it runs in one process); the table is bitwise the
+    rows of the whole sequence's, ties included, and the entries scored are the formula's."""
+    from fleet_ext.layers.dsa_indexer import SCORE_ENTRIES
+    from fleet_ext.layers.mqa_latent_attention import indexer_work_per_rank
+    from fleet_ext.parallel.layout import SequenceLayout
+
+    seq, cp, rank = 48, 3, 1
+    core = _layer("mqa_dsa", dsa_indexer_use_sparse_loss=True, mqa_indexer_cp_mode="dualchunk_p2p").core_attention
+    rng = np.random.default_rng(5)
+    q = paddle.to_tensor(rng.standard_normal((2, seq, 8, 16)).astype("float32"))
+    k = paddle.to_tensor(rng.standard_normal((2, seq, 16)).astype("float32"))
+    w = paddle.to_tensor(np.where(rng.random((2, seq, 8)) < 0.5, 0.0, 1.0).astype("float32"))  # zero scores: ties
+    whole, k_whole = core._table(q, k, w, SequenceLayout.whole(seq))
+    layout = SequenceLayout.contiguous_shard(seq, cp, rank)
+    SCORE_ENTRIES.clear()
+    table, k_top = core._table(q[:, layout.offset:layout.end], k, w[:, layout.offset:layout.end], layout)
+    assert k_top == k_whole and table.numpy().tobytes() == whole.numpy()[:, layout.offset:layout.end].tobytes()
+    assert SCORE_ENTRIES["causal"] == 2 * indexer_work_per_rank(seq, cp, "dualchunk_p2p")[rank] == 2 * 8 * (24 + 32)
+
+
+def test_dualchunk_mode_without_context_parallelism_is_the_contiguous_path():
+    """One rank holds the whole sequence: ``dualchunk_p2p`` changes nothing (bitwise output, picks and KL)."""
+    x = paddle.to_tensor(_x())
+    results = []
+    for mode in ("contiguous", "dualchunk_p2p"):
+        layer = _layer("mqa_dsa", dsa_indexer_use_sparse_loss=True, dsa_indexer_loss_coeff=0.1,
+                       mqa_indexer_cp_mode=mode)
+        layer.train()
+        out = layer(x)
+        results.append((out.numpy(), layer.indexer_loss.numpy(), layer.topk_indices(x).numpy()))
+    for got, want in zip(*results):
+        assert got.tobytes() == want.tobytes()
 
 
 def test_hybrid_mla_config_round_trips_through_yaml(tmp_path):

@@ -6,7 +6,7 @@
   they are computed from the layout, not from ``0 .. s-1``.
 - The whole layout reproduces positions ``0 .. s-1`` exactly (the hand-written tables in test_index_tables.py
   and every parity test run through it); the model builds one layout per forward and hands it to every
-  attention layer, which refuses a shard until context parallelism exists.
+  attention layer (the context-parallel exchange itself: tests/multi_card_tests/test_context_parallel.py).
 Integer tables and fp32 cos/sin built from float64 angles: exact equality throughout.
 """
 
@@ -42,6 +42,8 @@ def _shards(global_len: int, cp_size: int) -> list[SequenceLayout]:
         ({"offset": 0, "local_len": 4, "global_len": 4, "cp_size": 2, "cp_rank": 2}, "cp_rank"),
         ({"offset": 0, "local_len": 4, "global_len": 4, "chunking": "zigzag"}, "chunking"),
         ({"offset": 0, "local_len": 4.0, "global_len": 4}, "local_len"),
+        ({"offset": 2, "local_len": 2, "global_len": 4}, "contiguous chunks"),  # a shard without its CP group size
+        ({"offset": 0, "local_len": 2, "global_len": 6, "cp_size": 2}, "contiguous chunks"),
     ],
 )
 def test_bad_layouts_raise_naming_the_field(kwargs, field):
@@ -78,6 +80,23 @@ def test_shard_tables_are_row_slices_of_the_whole_tables(chunk, cp_size, window,
             got = build(shard).numpy()
             want = full[shard.offset : shard.end]
             assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), f"{name} rows of {shard}"
+
+
+@settings(max_examples=30, deadline=None)
+@given(chunk=st.integers(1, 12), cp_size=st.integers(2, 4), window=st.integers(1, 13))
+def test_halo_window_table_is_the_row_slice_counted_from_the_halo(chunk, cp_size, window):
+    """Under context parallelism a rank's raw keys start ``W - 1`` rows before its chunk (the halo): its window
+    table is the whole table's rows with every valid id shifted by that first position (-1 kept)."""
+    global_len, width = chunk * cp_size, min(window, chunk * cp_size)
+    if width - 1 > chunk:
+        return  # the config refuses a halo longer than a chunk
+    full = index_tables.window_index_table(SequenceLayout.whole(global_len), width).numpy()
+    for shard in _shards(global_len, cp_size):
+        first = shard.offset - (width - 1)
+        got = index_tables.window_index_table(shard, width, first).numpy()
+        want = full[shard.offset : shard.end]
+        np.testing.assert_array_equal(np.where(got >= 0, got + first, -1), want, err_msg=str(shard))
+        assert got.max() < (width - 1) + chunk  # never past the rank's own last row
 
 
 @pytest.mark.parametrize("topk, window", [(3, 4), (5, 0), (40, 2)])
@@ -131,13 +150,13 @@ def test_the_model_hands_one_layout_to_every_attention_layer():
     assert seen == [SequenceLayout.whole(37)] * 4
 
 
-def test_layers_follow_the_models_layout_and_refuse_a_shard():
-    """A layout that is not the whole sequence reaches the layers (they do not rebuild 0..s-1 themselves) and
-    is refused with the reason until context parallelism is built."""
+def test_layers_follow_the_models_layout():
+    """A shard layout reaches the layers (they do not rebuild 0..s-1 themselves): without its process group the
+    first key exchange refuses it, naming what is missing (the real exchange: tests/multi_card_tests)."""
     model = _model()
-    model.sequence_layout = lambda seq: SequenceLayout(offset=seq, local_len=seq, global_len=2 * seq)
-    with pytest.raises(ValueError, match="needs context parallelism"):
-        model(paddle.randint(1, 200, [1, 16]))
+    model.sequence_layout = lambda seq: SequenceLayout.contiguous_shard(2 * seq, 2, 1)
+    with pytest.raises(ValueError, match="needs a ContextParallelGroup of 2 ranks"):
+        model(paddle.randint(1, 200, [1, 32]))
     model = _model()
     model.sequence_layout = lambda seq: SequenceLayout.whole(seq + 1)
     with pytest.raises(ValueError, match="sequence layout gives this rank 17"):

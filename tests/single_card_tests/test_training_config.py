@@ -145,6 +145,11 @@ def test_gpu_yaml_is_production_shaped_and_refused_on_cpu():
     c = load_config(ROOT / "configs" / "dsv4_flash_gpu.yaml")
     assert c.training.bf16 and c.model.hidden_size == 4096 and c.model.num_hidden_layers == 43
     assert c.moe.n_routed_experts == 256 and c.fusion.apply_rope_fusion
+    assert c.parallel.expert_model_parallel_size == 8  # valid in the YAML; the world is checked at launch:
+    with pytest.raises(ValueError, match=r"`expert_model_parallel_size` = 8 is invalid: allowed a divisor of the "
+                                         r"number of launched processes \(1"):
+        check_runtime(c)  # one process here
+    c = load_config(ROOT / "configs" / "dsv4_flash_gpu.yaml", expert_model_parallel_size=1)
     import paddle
 
     if not paddle.is_compiled_with_cuda():

@@ -1,0 +1,1 @@
+"""fleet_ext.ops.moe_permute (no Paddle import here; see DESIGN.md)."""

@@ -1,0 +1,282 @@
+"""Time MoE routing and token movement on a GPU: eager torch, torch.compile, the fused Triton kernels, the roof.
+
+Run on the H200 (torch + Triton, no Paddle):  python scripts/bench/bench_moe.py [--out DIR] [--experts 256 32]
+
+T = 8192 tokens, top-6, D = 4096, bf16 hidden states, fp32 routing, random routing. Per expert count:
+
+- router (sqrt-softplus scores, biased top-k, renormalised scaled weights, counts), forward and forward + backward;
+- permute (stable sort by expert + row copy), unpermute (weighted combine), and their backwards.
+
+Eager is the reference's op sequence in torch (``index_add_`` for the combine and for the gather's gradient,
+as autograd does); ``torch.compile`` compiles that function; "fused" is ``fleet_ext.ops.moe_*.kernel``. Each
+fused output is checked against the eager one before timing (bitwise where the tests say so, else close).
+Bandwidth counts the fewest bytes (each input read once, each output written once) against a device-to-device
+copy measured in the same run; the copy kernels' launch settings are swept and the best is reported (the
+sweep is printed). Times are medians of ``triton.testing.do_bench``. Prints one table last, writes
+bench_moe.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # repo root, for fleet_ext
+
+from fleet_ext.ops.moe_permute import kernel as permute_kernel  # noqa: E402
+from fleet_ext.ops.moe_router import kernel as router_kernel  # noqa: E402
+
+T, D, K = 8192, 4096, 6
+DEVICE = "cuda"
+COPY_VARIANTS = [(1, 2048, 8), (1, 4096, 8), (2, 1024, 4)]  # (BLOCK_T, BLOCK_D, warps)
+BWD_VARIANTS = [(2, 1024, 4), (1, 2048, 8), (2, 2048, 8)]  # the unpermute backward's (BLOCK_T, BLOCK_D, warps)
+ROUTER_VARIANTS = [(2, 4), (4, 4), (8, 8)]  # (BLOCK_T, warps)
+
+
+def median_us(fn) -> float:
+    return 1e3 * triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="median")
+
+
+def copy_bandwidth_gbs(n_bytes: int = 2 << 30) -> float:
+    src = torch.empty(n_bytes // 2, dtype=torch.bfloat16, device=DEVICE).normal_()
+    dst = torch.empty_like(src)
+    return 2 * n_bytes / (median_us(lambda: dst.copy_(src)) * 1e-6) / 1e9
+
+
+def compiled_us(fn) -> tuple[float | None, str | None]:
+    try:
+        compiled = torch.compile(fn, dynamic=False)
+        compiled()
+        return median_us(compiled), None
+    except Exception as exc:  # report, do not hide
+        return None, f"{type(exc).__name__}: {exc}"[:160]
+
+
+def eager_router(logits, bias, experts):
+    s = torch.sqrt(F.softplus(logits))
+    idx = torch.topk(s + bias, K, dim=-1).indices
+    w = torch.gather(s, 1, idx)
+    w = w / (w.sum(-1, keepdim=True) + 1e-20) * 2.5
+    return s, w, idx, torch.bincount(idx.reshape(-1), minlength=experts)
+
+
+def close_bf16(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Within six bf16 ulps of the largest value (six rounded adds in another order)."""
+    return (got.float() - want.float()).abs().max().item() <= 6 * 2**-8 * want.float().abs().max().item()
+
+
+def router_cases(experts: int) -> list[dict]:
+    gen = torch.Generator(device=DEVICE).manual_seed(experts)
+    logits = torch.randn(T, experts, generator=gen, device=DEVICE) * 2
+    bias = torch.randn(experts, generator=gen, device=DEVICE) * 0.1
+    grad = torch.randn(T, K, generator=gen, device=DEVICE)
+    s, w, idx, counts = eager_router(logits, bias, experts)
+    _, fw, fidx, fcounts = router_kernel.route(logits, bias, K, True, 2.5, score="sqrtsoftplus")
+    top = torch.topk(s + bias, K + 1, dim=-1).values
+    clear = (top[:, :-1] - top[:, 1:]).min(-1).values > 1e-5
+    same = torch.equal(fidx[clear], idx[clear]) and torch.allclose(fw[clear], w[clear], rtol=1e-5, atol=1e-6)
+    leaf = logits.clone().requires_grad_(True)
+
+    def eager_fb():
+        _, w_, _, _ = eager_router(leaf, bias, experts)
+        return torch.autograd.grad(w_, leaf, grad)
+
+    def fused():
+        return router_kernel.route(logits, bias, K, True, 2.5, score="sqrtsoftplus")
+
+    def fused_fb():
+        sc, _, ix, _ = fused()
+        return router_kernel.route_backward(grad, sc, ix, True, 2.5, score="sqrtsoftplus", logits=logits)
+
+    small = T * K * 12 + experts * 8
+    return [
+        dict(name=f"router fwd E={experts}", eager=lambda: eager_router(logits, bias, experts), fused=fused,
+             bytes=2 * T * experts * 4 + small, check=same and torch.equal(fcounts, counts), tune="router"),
+        dict(name=f"router fwd+bwd E={experts}", eager=eager_fb, fused=fused_fb, bytes=5 * T * experts * 4 + 2 * small,
+             check=same, tune="router"),
+    ]
+
+
+def permute_cases(experts: int) -> list[dict]:
+    gen = torch.Generator(device=DEVICE).manual_seed(100 + experts)
+    x = torch.randn(T, D, generator=gen, device=DEVICE).bfloat16()
+    idx = torch.rand(T, experts, generator=gen, device=DEVICE).topk(K, dim=-1).indices.contiguous()
+    w = torch.rand(T, K, generator=gen, device=DEVICE)
+    g = torch.randn(T, D, generator=gen, device=DEVICE).bfloat16()
+    order = torch.argsort(idx.reshape(-1), stable=True)
+    token_of = order // K
+    rows, srcs, _, _ = permute_kernel.route(idx, experts)
+    y = x[token_of]  # expert outputs stand-in (permuted rows)
+
+    def eager_permute():
+        o = torch.argsort(idx.reshape(-1), stable=True)
+        return x[o // K], torch.bincount(idx.reshape(-1), minlength=experts)
+
+    def eager_unpermute():
+        scaled = (y.float() * w.reshape(-1)[order][:, None]).bfloat16()
+        return torch.zeros_like(x).index_add_(0, token_of, scaled)
+
+    def eager_permute_bwd():
+        return torch.zeros_like(x).index_add_(0, token_of, y)
+
+    def eager_unpermute_bwd():
+        gr = g[token_of].float()
+        d_y = (gr * w.reshape(-1)[order][:, None]).bfloat16()
+        d_w = torch.empty(T * K, device=DEVICE).index_copy_(0, order, (gr * y.float()).sum(-1))
+        return d_y, d_w
+
+    def fused_permute():
+        r, _, _, _ = permute_kernel.route(idx, experts)
+        return permute_kernel.permute(x, r)
+
+    moved = T * D * 2 * (1 + K)
+    checks = {  # bitwise where the tests show it; vs index_add_ (atomics, any order): within 6 bf16 ulps
+        "permute": torch.equal(fused_permute(), x[order // K]),
+        "unpermute": close_bf16(permute_kernel.unpermute(y, w, rows, srcs), eager_unpermute()),
+        "permute_bwd": close_bf16(permute_kernel.permute_backward(y, rows, torch.bfloat16), eager_permute_bwd()),
+        "unpermute_bwd": torch.equal(permute_kernel.unpermute_backward(g, y, w, rows, srcs)[0],
+                                     eager_unpermute_bwd()[0]),
+    }
+    return [
+        dict(name=f"permute E={experts}", eager=eager_permute, fused=fused_permute, bytes=moved,
+             check=checks["permute"], tune="copy"),
+        dict(name=f"unpermute E={experts}", eager=eager_unpermute,
+             fused=lambda: permute_kernel.unpermute(y, w, rows, srcs), bytes=moved, check=checks["unpermute"],
+             tune="copy"),
+        dict(name=f"permute bwd E={experts}", eager=eager_permute_bwd,
+             fused=lambda: permute_kernel.permute_backward(y, rows, torch.bfloat16), bytes=moved,
+             check=checks["permute_bwd"], tune="copy"),
+        dict(name=f"unpermute bwd E={experts}", eager=eager_unpermute_bwd,
+             fused=lambda: permute_kernel.unpermute_backward(g, y, w, rows, srcs), bytes=T * D * 2 * (1 + 2 * K),
+             check=checks["unpermute_bwd"], tune="bwd"),
+    ]
+
+
+def sweep(case: dict) -> tuple[float, str, dict]:
+    """The fused time under each launch setting; (best us, its label, all)."""
+    times = {}
+    if case["tune"] == "router":
+        saved = dict(router_kernel.TUNE)
+        for block_t, warps in ROUTER_VARIANTS:
+            router_kernel.TUNE.update(block_t=block_t, warps=warps)
+            times[f"bt{block_t}w{warps}"] = median_us(case["fused"])
+        router_kernel.TUNE.update(saved)
+    else:
+        saved = dict(permute_kernel.TUNE)
+        if case["tune"] == "bwd":
+            for block_t, block_d, warps in BWD_VARIANTS:
+                permute_kernel.TUNE.update(bwd_block_t=block_t, bwd_block_d=block_d, bwd_warps=warps)
+                times[f"bt{block_t}bd{block_d}w{warps}"] = median_us(case["fused"])
+        else:
+            for block_t, block_d, warps in COPY_VARIANTS:
+                permute_kernel.TUNE.update(copy_block_t=block_t, copy_block_d=block_d, copy_warps=warps)
+                times[f"bt{block_t}bd{block_d}w{warps}"] = median_us(case["fused"])
+        permute_kernel.TUNE.update(saved)
+    best = min(times, key=times.get)
+    return times[best], best, times
+
+
+def graph_us(fn) -> float | None:
+    """GPU time of ``fn`` replayed from a CUDA graph (no Python launch overhead), or None if it cannot be captured."""
+    try:
+        return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+    except Exception:  # e.g. a host sync inside fn
+        return None
+
+
+def compiled_info(fn) -> str:
+    """Registers / spills of every compiled variant of a Triton kernel (best effort: Triton internals)."""
+    out = []
+    for cache in getattr(fn, "device_caches", {}).values():
+        for compiled in (cache[0] if isinstance(cache, tuple) else cache).values():
+            out.append(f"regs {getattr(compiled, 'n_regs', '?')} spills {getattr(compiled, 'n_spills', '?')}")
+    return "; ".join(out) or "n/a"
+
+
+def diagnose(experts: int) -> None:
+    """Where the fused permute's time goes: each launch's GPU time, the CPU's enqueue time, launch settings."""
+    import time
+
+    gen = torch.Generator(device=DEVICE).manual_seed(7)
+    x = torch.randn(T, D, generator=gen, device=DEVICE).bfloat16()
+    idx = torch.rand(T, experts, generator=gen, device=DEVICE).topk(K, dim=-1).indices.contiguous()
+    pk = permute_kernel
+    for block_t, warps in ((8, 4), (16, 4), (16, 8), (32, 8)):
+        pk.TUNE.update(route_block_t=block_t, route_warps=warps)
+        route_rows = pk.route(idx, experts)[0]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(50):
+            pk.route(idx, experts)
+        cpu_route = (time.perf_counter() - t0) / 50 * 1e6
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(50):
+            pk.permute(x, pk.route(idx, experts)[0])
+        cpu_all = (time.perf_counter() - t0) / 50 * 1e6
+        torch.cuda.synchronize()
+        print(f"diag E={experts} route bt{block_t} w{warps}: route graph {graph_us(lambda: pk.route(idx, experts))}"
+              f" us, copy graph {graph_us(lambda r=route_rows: pk.permute(x, r))} us, permute graph "
+              f"{graph_us(lambda: pk.permute(x, pk.route(idx, experts)[0]))} us, do_bench "
+              f"{median_us(lambda: pk.permute(x, pk.route(idx, experts)[0])):.1f} us; CPU enqueue route "
+              f"{cpu_route:.1f} us, route+copy {cpu_all:.1f} us", flush=True)
+    pk.TUNE.update(route_block_t=8, route_warps=4)
+    for name in ("_route_hist", "_route_scan", "_route_offsets", "_route_rows", "_permute_fwd", "_unpermute_fwd",
+                 "_unpermute_bwd", "_permute_bwd"):
+        print(f"diag {name}: {compiled_info(getattr(pk, name))}")
+    for name in ("_router_fwd", "_router_counts", "_router_bwd"):
+        print(f"diag {name}: {compiled_info(getattr(router_kernel, name))}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--experts", nargs="*", type=int, default=[256, 32])
+    parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--diagnose", action="store_true", help="per-launch GPU times and launch-setting sweeps")
+    args = parser.parse_args()
+    props = torch.cuda.get_device_properties(0)
+    copy_gbs = copy_bandwidth_gbs()
+    header = f"{props.name}, sm{props.major}{props.minor}, torch {torch.__version__}, triton {triton.__version__}"
+    print(header, f"\ndevice copy: {copy_gbs:.0f} GB/s (read + write)", flush=True)
+    rows = []
+    for experts in args.experts:
+        for case in router_cases(experts) + permute_cases(experts):
+            row = {"name": case["name"], "bytes": case["bytes"], "check": bool(case["check"])}
+            row["eager_us"] = median_us(case["eager"])
+            skipped = (None, "skipped")
+            row["compile_us"], row["compile_error"] = skipped if args.no_compile else compiled_us(case["eager"])
+            row["default_us"] = median_us(case["fused"])
+            row["fused_us"], row["best"], row["sweep"] = sweep(case)
+            row["graph_us"] = graph_us(case["fused"])  # the same launches replayed from a CUDA graph
+            row["roof_us"] = case["bytes"] / (copy_gbs * 1e9) * 1e6
+            row["pct_copy"] = 100 * row["roof_us"] / row["fused_us"]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            torch.cuda.empty_cache()
+    if args.diagnose:
+        for experts in args.experts:
+            diagnose(experts)
+    with open(os.path.join(args.out, "bench_moe.json"), "w") as fh:
+        json.dump({"gpu": props.name, "header": header, "copy_gbs": copy_gbs, "rows": rows}, fh, indent=1)
+    print(f"\n{header}; copy {copy_gbs:.0f} GB/s; T={T} D={D} k={K} bf16 rows, fp32 routing")
+    print(f"{'case':24} {'eager':>8} {'compile':>8} {'fused':>8} {'dflt':>8} {'graph':>8} {'roof':>7} {'%copy':>6} "
+          f"{'x eag':>6} {'x cmp':>6} ok  best")
+    for r in rows:
+        comp, graph = r["compile_us"], r["graph_us"]
+        print(f"{r['name']:24} {r['eager_us']:8.1f} {comp if comp is None else round(comp, 1)!s:>8} "
+              f"{r['fused_us']:8.1f} {r['default_us']:8.1f} {graph if graph is None else round(graph, 1)!s:>8} "
+              f"{r['roof_us']:7.1f} {r['pct_copy']:6.1f} "
+              f"{r['eager_us'] / r['fused_us']:6.2f} {'-' if comp is None else round(comp / r['fused_us'], 2)!s:>6} "
+              f"{'y' if r['check'] else 'N':3} {r['best']}")
+
+
+if __name__ == "__main__":
+    main()

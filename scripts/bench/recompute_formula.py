@@ -1,0 +1,577 @@
+"""Activation bytes kept for the backward, as a formula of the config's widths, batch, sequence and dtype.
+
+    python scripts/bench/recompute_formula.py [--config configs/dsv4_flash_gpu.yaml] [--seq 4096] [--batch 1]
+                                              [--dtype bf16|fp32] [--set KEY=VALUE ...] [--terms csa]
+
+The formula is a shadow of each module's forward written against storages instead of tensors: every op that
+autograd makes save something names the storage it saves (``Trace.save``), new storages get their element
+count and dtype, and a cast or a view returns the storage it came from when it does not copy (``Trace.cast``).
+A storage counts once, however many ops save it, exactly as ``scripts/bench/recompute_memory.py`` counts
+the real forward with ``paddle.autograd.saved_tensors_hooks``; ``tests/single_card_tests/
+test_recompute_formula.py`` holds the two equal, byte for byte, on CPU fp32 at several shapes. A recomputed
+segment (``Trace.segment``) keeps its tensor inputs and the decisions replayed inside it (the CSA indexer's
+picks, the routed experts), nothing else: Paddle's non-reentrant recompute.
+
+Dtypes: ``fp32`` is the CPU run (every cast to fp32 aliases). ``bf16`` prices the same saved storages as the code
+writes them with bf16 weights and activations: tensors it computes in fp32 explicitly stay fp32 (norm
+statistics, mHC mixing, router scores, compressor gates, the reference sparse attention's logits and
+probabilities, RoPE rotations, the loss), and each ``astype("float32")`` of a bf16 tensor becomes a new fp32
+copy. It is a model: it is not checked against a GPU, and Paddle's O1 autocast with fp32 master weights (what
+``bf16: true`` runs) would also keep fp32 residual streams and bf16 casts of matmul inputs. Weights and their
+casts are not activations and are not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from fleet_ext.config import load_config, recompute_plan  # noqa: E402
+from fleet_ext.layer_kinds import LayerKind, kinds_of, layer_attention  # noqa: E402
+
+BYTES = {"fp32": 4, "bf16": 2, "int64": 8, "int32": 4, "bool": 1}
+F32, I64, I32, BOOL = "fp32", "int64", "int32", "bool"
+MODULES = ("full_attn", "vha_postmix", "core_attn", "mhc", "moe", "moe_act")
+
+
+@dataclass(frozen=True)
+class T:
+    """One storage: a name unique within its layer, its element count and dtype."""
+
+    name: str
+    numel: int
+    dtype: str
+
+
+@dataclass
+class Trace:
+    """The storages autograd keeps, in first-saved order; ``act`` is the activation dtype ("fp32" or "bf16")."""
+
+    act: str
+    saved: dict[str, T] = field(default_factory=dict)
+    depth: int = 0  # > 0 inside a recomputed segment: nothing is saved but its inputs and its decisions
+    _count: int = 0
+
+    def new(self, name: str, numel: int, dtype: str) -> T:
+        self._count += 1
+        return T(f"{name}#{self._count}", numel, dtype)
+
+    def save(self, *tensors: T | None) -> None:
+        if self.depth:
+            return
+        for t in tensors:
+            if t is not None and t.numel:
+                self.saved.setdefault(t.name, t)
+
+    def decide(self, t: T) -> T:
+        """A decision recorded for replay: kept while a recomputed segment waits for its re-run."""
+        if self.depth:
+            self.saved.setdefault(t.name, t)
+        return t
+
+    def cast(self, t: T, dtype: str, numel: int | None = None, name: str | None = None) -> T:
+        """``astype``: the same storage when the dtype does not change, else a new one (``numel`` when only a slice
+        of ``t`` is cast)."""
+        if t.dtype == dtype:
+            return t
+        return self.new(name or f"{t.name.split('#')[0]}:{dtype}", numel or t.numel, dtype)
+
+    def segment(self, enabled: bool, fn: Callable[..., Any], *args: Any) -> Any:
+        """``maybe_checkpointed``: under recompute keep the tensor inputs and run ``fn`` saving nothing."""
+        if not enabled or self.depth:
+            return fn(*args)
+        self.save(*(a for a in args if isinstance(a, T)))
+        self.depth += 1
+        try:
+            return fn(*args)
+        finally:
+            self.depth -= 1
+
+
+def promote(*tensors: T) -> str:
+    return F32 if any(t.dtype == F32 for t in tensors) else tensors[0].dtype
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """The widths the formula needs, read from a loaded config (``Shapes.of``), and the run's batch and length."""
+
+    b: int
+    s: int
+    D: int
+    h: int
+    d: int
+    rope: int
+    q_lora: int
+    groups: int
+    o_rank: int
+    n: int
+    iters: int
+    E: int
+    topk_experts: int
+    ffn: int
+    shared_F: int
+    dense_F: int
+    vocab: int
+    idx_topk: int
+    vha: bool
+    seq_aux: bool
+    scoring: str
+    norm_topk: bool
+    clamp: bool
+    dense_csa: bool
+    fusion: dict
+
+    @classmethod
+    def of(cls, config: Any, batch: int, seq: int) -> Shapes:
+        m, moe, f = config.model, config.moe, config.fusion
+        if not m.enable_hyper_connections or m.vha_postmix_grouped or f.fuse_inv_rope_into_vha_postmix:
+            raise ValueError("recompute_formula models mHC on, the ungrouped VHA postmix (or none) and the unfused "
+                             "inverse RoPE + postmix: set enable_hyper_connections: true, vha_postmix_grouped: false, "
+                             "fuse_inv_rope_into_vha_postmix: false")
+        if any(kind is LayerKind.HYBRID_MLA for kind in kinds_of(m)):
+            raise ValueError("recompute_formula does not model -2 (hybrid-MLA) layers yet")
+        if m.num_nextn_predict_layers or m.dsa_indexer_loss_coeff > 0:
+            raise ValueError("recompute_formula does not model the MTP layers or the CSA indexer KL loss yet: set "
+                             "num_nextn_predict_layers: 0 and dsa_indexer_loss_coeff: 0.0 (main() prices a config "
+                             "without them, see unmodelled_off)")
+        if config.parallel.context_parallel_size > 1:
+            raise ValueError("recompute_formula models one rank holding whole sequences: context_parallel_size: 1 "
+                             "(pass the per-rank length as the sequence length)")
+        return cls(
+            b=batch, s=seq, D=m.hidden_size, h=m.num_attention_heads, d=m.v_head_dim, rope=m.qk_pos_emb_head_dim,
+            q_lora=m.q_lora_rank, groups=m.o_groups, o_rank=m.o_lora_rank, n=m.num_residual_streams,
+            iters=m.mhc_sinkhorn_iterations, E=moe.n_routed_experts, topk_experts=moe.num_experts_per_tok,
+            ffn=moe.moe_intermediate_size, shared_F=moe.n_shared_experts * moe.moe_intermediate_size,
+            dense_F=moe.intermediate_size, vocab=m.vocab_size, idx_topk=m.dsa_index_topk, vha=m.use_vha_attention,
+            seq_aux=moe.moe_router_load_balancing_type == "seq_aux_loss", scoring=moe.scoring_func,
+            norm_topk=moe.norm_topk_prob, clamp=moe.swiglu_limit > 0, dense_csa=m.csa_dense_mode,
+            fusion={"rope": f.apply_rope_fusion, "q_rms": f.dsv4_q_rms_norm_fusion, "sink": f.dsa_sink_grad_fusion,
+                    "backend": f.csa_sparse_attn_backend, "router": f.moe_router_fusion,
+                    "permute": f.moe_permute_fusion},
+        )
+
+    @property
+    def tokens(self) -> int:
+        return self.b * self.s
+
+
+# -- norms, RoPE, mHC ---------------------------------------------------------------------------------------------
+def rms_normalize(tr: Trace, x: T, rows: int, name: str = "rms") -> T:
+    """``ops.q_rms_norm.reference.rms_normalize``: saves x in fp32 and the row statistic rsqrt(mean(x^2) + eps)."""
+    xf = tr.cast(x, F32)
+    tr.save(xf, tr.new(f"{name}.r", rows, F32))
+    return tr.cast(tr.new(f"{name}.y", x.numel, F32), x.dtype)
+
+
+def rms_norm(tr: Trace, x: T, rows: int) -> T:
+    """``layers.norm.RMSNorm``: the weightless normalisation's saves, then ``gain * normed`` saves normed."""
+    xf = tr.cast(x, F32, name=f"{x.name.split('#')[0]}:fp32")
+    tr.save(xf, tr.new("norm.r", rows, F32), tr.new("norm.normed", x.numel, F32))
+    return tr.cast(tr.new("norm.y", x.numel, F32), x.dtype, name="norm.y")
+
+
+def rope(tr: Trace, sh: Shapes, x: T, width: int, inverse: bool = False) -> T:
+    """``ops.rope``: the reference saves the rotated channels in fp32 (x's own storage when x is fp32) and, for
+    the inverse, the negated sin table [s, rope/2]; the fused kernel saves nothing (the tables ride on ctx)."""
+    if not sh.fusion["rope"]:
+        tr.save(tr.cast(x, F32, numel=x.numel // width * sh.rope, name="rope.rotated_channels:fp32"))
+        if inverse:
+            tr.save(tr.new("rope.neg_sin", sh.s * sh.rope // 2, F32))
+    return tr.new("rope.out", x.numel, x.dtype)
+
+
+def q_rms_norm(tr: Trace, sh: Shapes, q: T) -> T:
+    rows = q.numel // sh.d
+    if not sh.fusion["q_rms"]:
+        return rms_normalize(tr, q, rows, "q_rms")
+    tr.save(q, tr.new("q_rms.r", rows, F32))  # the fused PyLayer saves q and r
+    return tr.new("q_rms.y", q.numel, q.dtype)
+
+
+def sinkhorn(tr: Trace, sh: Shapes) -> T:
+    """Softmax, then ``2 * iterations - 1`` normalising divides, each saving its input, denominator and output."""
+    cells = sh.tokens * sh.n * sh.n
+    tr.save(tr.new("sinkhorn.softmax", cells, F32))
+    comb = tr.new("sinkhorn.comb", cells, F32)  # softmax + eps
+    for _ in range(2 * sh.iters - 1):
+        out = tr.new("sinkhorn.comb", cells, F32)
+        tr.save(comb, tr.new("sinkhorn.den", sh.tokens * sh.n, F32), out)
+        comb = out
+    return comb
+
+
+def hyper_connection(tr: Trace, sh: Shapes, streams: T) -> tuple[T, T, T]:
+    """``layers.mhc.HyperConnection``: (post, comb, collapsed block input)."""
+    bs, n = sh.tokens, sh.n
+    tr.save(rms_normalize(tr, tr.cast(streams, F32, name="mhc.streams:fp32"), bs, "mhc.flat_norm"))
+    gates = {}
+    for gate in ("pre", "post"):
+        tr.save(tr.new(f"mhc.{gate}_w", bs * n, F32), tr.new(f"mhc.{gate}_sigmoid", bs * n, F32))
+        gates[gate] = tr.new(f"mhc.{gate}", bs * n, F32)
+    tr.save(tr.new("mhc.comb_w", bs * n * n, F32))
+    comb = sinkhorn(tr, sh)
+    tr.save(gates["pre"], tr.cast(streams, F32, name="mhc.streams:fp32"))  # pre * streams: a second cast
+    return gates["post"], comb, tr.cast(tr.new("mhc.collapsed", bs * sh.D, F32), streams.dtype, name="mhc.collapsed")
+
+
+def hyper_combine(tr: Trace, sh: Shapes, streams: T, block_out: T, post: T, comb: T) -> T:
+    tr.save(tr.cast(comb, streams.dtype), streams)
+    tr.save(tr.cast(post, streams.dtype), block_out)
+    return tr.new("mhc.streams", streams.numel, streams.dtype)
+
+
+# -- attention ----------------------------------------------------------------------------------------------------
+def compressor(tr: Trace, sh: Shapes, att: Any, x: T, width: int) -> T | None:
+    """``layers.compressor.Compressor``: roped entries [b, s // ratio, width] (None when there are none)."""
+    ratio = att.compress_ratio
+    rows = sh.b * (sh.s // ratio)
+    if not rows:
+        return None
+    coff = 2 if att.overlapping_compressor else 1
+    tr.save(x)  # linear_wkv and linear_wgate read x
+    kv = tr.new("compressor.kv", rows * ratio * coff * width, x.dtype)
+    score = tr.new("compressor.score", kv.numel, F32)  # gate in fp32 + ape
+    if att.overlapping_compressor:  # previous block's first half, this block's second half: new tensors
+        kv = tr.new("compressor.kv_pairs", rows * 2 * ratio * width, kv.dtype)
+        score = tr.new("compressor.score_pairs", kv.numel, F32)
+    weights = tr.new("compressor.softmax", score.numel, F32)
+    tr.save(weights)
+    weights = tr.cast(weights, kv.dtype)
+    tr.save(kv, weights)
+    pooled = rms_norm(tr, tr.new("compressor.pooled", rows * width, promote(kv, weights)), rows)
+    return rope(tr, sh, pooled, width)
+
+
+def sparse_attention(tr: Trace, sh: Shapes, q: T, kv_full: T, width: int) -> T:
+    """The sparse attention with sink over ``width`` keys per query: the gather-softmax reference (with the sink
+    gradient fusion or not), or the Triton kernel (q, kv, flat ids, out, lse)."""
+    bs, h, d = sh.tokens, sh.h, sh.d
+    if sh.fusion["backend"] == "triton":
+        out = tr.new("attn_core.out", bs * h * d, q.dtype)
+        tr.save(q, kv_full, tr.new("attn_core.flat_idx", bs * width, I32), out, tr.new("attn_core.lse", bs * h, F32))
+        return out
+    tr.save(tr.new("attn_core.gather_idx", bs * width, I32))
+    gathered = tr.cast(tr.new("attn_core.gathered_keys", bs * width * d, kv_full.dtype), F32)
+    tr.save(tr.cast(q, F32, name="attn_core.q:fp32"), gathered)
+    cells = bs * h * width
+    tr.save(tr.new("attn_core.valid", cells, BOOL), tr.new("attn_core.exp", cells, F32))
+    if not sh.fusion["sink"]:
+        tr.save(tr.new("attn_core.exp_sink", bs * h, F32))
+    tr.save(tr.new("attn_core.weights", cells, F32), tr.new("attn_core.denom", bs * h, F32),
+            tr.new("attn_core.probs", cells, F32))
+    out = tr.cast(tr.new("attn_core.out", bs * h * d, F32), q.dtype, name="attn_core.out")
+    if sh.fusion["sink"]:  # the sink-gradient PyLayer keeps out and lse
+        tr.save(out, tr.new("attn_core.lse", bs * h, F32))
+    return out
+
+
+def core_attention(tr: Trace, sh: Shapes, att: Any, q: T, kv: T, x: T, q_latent: T) -> T:
+    """``layers.dsv4_core_attention.CompressedSparseAttention``: kv_full = [kv | entries], keys per query."""
+    if att.kind is LayerKind.FULL_CAUSAL:
+        return sparse_attention(tr, sh, q, kv, sh.s)
+    width, kv_full = min(att.window, sh.s), kv
+    if att.has_compressor:
+        entries = compressor(tr, sh, att, x, sh.d)
+        kv_full = tr.new("attn_core.kv_full", sh.b * (sh.s + sh.s // att.compress_ratio) * sh.d, kv.dtype)
+        if entries is not None and att.has_csa_indexer(sh.dense_csa):
+            picks = min(sh.idx_topk, sh.s // att.compress_ratio)
+            tr.decide(tr.new("csa_indexer.picks", sh.tokens * picks, I32))
+            width += picks
+        elif entries is not None:
+            width += sh.s // att.compress_ratio
+    return sparse_attention(tr, sh, q, kv_full, width)
+
+
+def inv_rope_postmix(tr: Trace, sh: Shapes, out: T) -> T:
+    """Reference inverse RoPE + VHA postmix ``M @ inv_rope(O)``: saves M (in O's dtype) and the rotated O."""
+    mix = tr.new("vha.mix", sh.h * sh.h, F32)
+    rotated = rope(tr, sh, out, sh.d, inverse=True)
+    tr.save(tr.cast(mix, out.dtype), rotated)
+    return tr.new("vha.out", out.numel, out.dtype)
+
+
+def attention(tr: Trace, sh: Shapes, att: Any, modules: frozenset, x: T) -> T:
+    """``layers.dsv4_attention.DSv4HybridSelfAttention`` on the normalised layer input x [b, s, D]."""
+    bs = sh.tokens
+    tr.save(x)
+    q_latent = rms_norm(tr, tr.new("attn.q_down", bs * sh.q_lora, x.dtype), bs)
+    tr.save(q_latent)
+    q = q_rms_norm(tr, sh, tr.new("attn.q_up", bs * sh.h * sh.d, x.dtype))
+    kv = rms_norm(tr, tr.new("attn.kv_down", bs * sh.d, x.dtype), bs)
+    q, kv = rope(tr, sh, q, sh.d), rope(tr, sh, kv, sh.d)
+    out = tr.segment("core_attn" in modules, lambda *a: core_attention(tr, sh, att, *a), q, kv, x, q_latent)
+    if sh.vha:
+        out = tr.segment("vha_postmix" in modules, lambda o: inv_rope_postmix(tr, sh, o), out)
+    else:
+        out = rope(tr, sh, out, sh.d, inverse=True)
+    tr.save(out)  # the grouped output projection's input
+    o_in = tr.new("attn.o_groups", bs * sh.groups * sh.o_rank, out.dtype)
+    tr.save(o_in)
+    return tr.new("attn.out", bs * sh.D, o_in.dtype)
+
+
+# -- MoE ----------------------------------------------------------------------------------------------------------
+def swiglu(tr: Trace, sh: Shapes, gate_up: T) -> T:
+    """``layers.mlp.clamped_swiglu``: the two halves (copies), their clamps, silu's output, the product."""
+    half = gate_up.numel // 2
+    gate, up = tr.new("swiglu.gate", half, gate_up.dtype), tr.new("swiglu.up", half, gate_up.dtype)
+    if sh.clamp:
+        tr.save(gate, up)
+        gate, up = tr.new("swiglu.gate_clamped", half, gate.dtype), tr.new("swiglu.up_clamped", half, up.dtype)
+    silu = tr.new("swiglu.silu", half, gate.dtype)
+    tr.save(gate, silu, up)
+    return tr.new("swiglu.h", half, gate.dtype)
+
+
+def swiglu_mlp(tr: Trace, sh: Shapes, x: T, width: int) -> T:
+    """``layers.mlp.SwiGLUMLP`` (shared experts, dense layers)."""
+    tr.save(x)
+    h = swiglu(tr, sh, tr.new("mlp.fc1", sh.tokens * 2 * width, x.dtype))
+    tr.save(h)
+    return tr.new("mlp.out", sh.tokens * sh.D, h.dtype)
+
+
+def router(tr: Trace, sh: Shapes, x: T, hash_routed: bool) -> tuple[T, T]:
+    """``layers.moe.TopKRouter`` / ``HashRouter``: (weights [T, k] fp32, indices [T, k] int64)."""
+    tokens, E, k = sh.tokens, sh.E, sh.topk_experts
+    tr.save(tr.cast(x, F32, name="router.x:fp32"))  # fp32 gate logits
+    logits = tr.new("router.logits", tokens * E, F32)
+    if sh.scoring == "sqrtsoftplus":
+        tr.save(logits)
+    scores = tr.new("router.scores", tokens * E, F32)
+    tr.save(scores)
+    indices = tr.new("router.indices", tokens * k, I64)
+    if not hash_routed:
+        tr.decide(indices)  # replayed under recompute
+    if sh.fusion["router"]:  # the fused top-k / weights op keeps nothing beyond the scores
+        _seq_aux(tr, sh, scores, hash_routed)
+        return tr.new("router.weights_scaled", tokens * k, F32), indices
+    # take_along_axis broadcasts both operands to new tensors and saves those
+    tr.save(tr.new("router.scores_b", tokens * E, F32), tr.new("router.indices_b", tokens * k, I64))
+    weights = tr.new("router.weights", tokens * k, F32)
+    if sh.norm_topk:
+        normed = tr.new("router.weights_normed", tokens * k, F32)
+        tr.save(weights, tr.new("router.weights_sum", tokens, F32), normed)
+    _seq_aux(tr, sh, scores, hash_routed)
+    return tr.new("router.weights_scaled", tokens * k, F32), indices
+
+
+def _seq_aux(tr: Trace, sh: Shapes, scores: T, hash_routed: bool) -> None:
+    """The sequence-wise aux loss's saves (top-k routers with ``seq_aux_loss``)."""
+    if sh.seq_aux and not hash_routed:
+        tokens, E = sh.tokens, sh.E
+        tr.save(scores, tr.new("aux.den", tokens, F32), tr.new("aux.probs", tokens * E, F32))
+        tr.save(tr.new("aux.f", sh.b * E, F32), tr.new("aux.p_mean", sh.b * E, F32), tr.new("aux.loss", 1, F32))
+
+
+def experts(tr: Trace, sh: Shapes, x: T, indices: T, weights: T, recompute_act: bool) -> T:
+    """``layers.moe.GroupedExperts``: expert-sorted tokens, per-expert clamped SwiGLU, weighted scatter-add."""
+    pairs = sh.tokens * sh.topk_experts
+    if not sh.fusion["permute"]:  # the reference keeps the sort's int64 maps; the fused gathers keep none
+        tr.save(tr.new("experts.token_of", pairs, I64), tr.new("experts.order", pairs, I64))
+    x_sorted = tr.new("experts.x_sorted", pairs * sh.D, x.dtype)
+    tr.save(x_sorted)
+    gate_up = tr.new("experts.gate_up", pairs * 2 * sh.ffn, x.dtype)
+    h = tr.segment(recompute_act, lambda g: swiglu(tr, sh, g), gate_up)
+    tr.save(h)
+    w_sorted = tr.cast(weights if sh.fusion["permute"] else tr.new("experts.w_sorted", pairs, weights.dtype), F32)
+    tr.save(tr.cast(tr.new("experts.y", pairs * sh.D, h.dtype), F32, name="experts.y:fp32"), w_sorted)
+    return tr.new("experts.out", sh.tokens * sh.D, x.dtype)
+
+
+def mlp(tr: Trace, sh: Shapes, x: T, kind: str, modules: frozenset) -> T:
+    """Dense SwiGLU (``kind == "dense"``) or the MoE layer with a hash or a top-k router."""
+    if kind == "dense":
+        return swiglu_mlp(tr, sh, x, sh.dense_F)
+    weights, indices = router(tr, sh, x, kind == "hash")
+    out = tr.segment("moe" in modules, lambda *a: experts(tr, sh, *a, "moe_act" in modules), x, indices, weights)
+    if sh.shared_F:
+        swiglu_mlp(tr, sh, x, sh.shared_F)
+    return tr.new("moe.out", out.numel, out.dtype)
+
+
+# -- layers and the model -----------------------------------------------------------------------------------------
+def decoder_layer(tr: Trace, sh: Shapes, att: Any, mlp_kind: str, modules: frozenset, streams: T) -> T:
+    """``specs.transformer_layer.TransformerLayer`` with mHC: [b, s, n, D] streams in and out."""
+    rows, mhc = sh.tokens, "mhc" in modules
+    post, comb, collapsed = tr.segment(mhc, lambda x: hyper_connection(tr, sh, x), streams)
+    x = rms_norm(tr, collapsed, rows)
+    out = tr.segment("full_attn" in modules, lambda y: attention(tr, sh, att, modules, y), x)
+    streams = tr.segment(mhc, lambda *a: hyper_combine(tr, sh, *a), streams, out, post, comb)
+    post, comb, collapsed = tr.segment(mhc, lambda x: hyper_connection(tr, sh, x), streams)
+    out = mlp(tr, sh, rms_norm(tr, collapsed, rows), mlp_kind, modules)
+    return tr.segment(mhc, lambda *a: hyper_combine(tr, sh, *a), streams, out, post, comb)
+
+
+def head(tr: Trace, sh: Shapes, streams: T) -> None:
+    """``HyperHead`` collapse, final norm, LM head and the mean cross-entropy (the "other" bucket)."""
+    rows = sh.tokens
+    tr.save(rms_normalize(tr, tr.cast(streams, F32, name="head.streams:fp32"), rows, "head.flat_norm"))
+    tr.save(tr.new("head.mix", rows * sh.n, F32), tr.new("head.sigmoid", rows * sh.n, F32))
+    tr.save(tr.new("head.pre", rows * sh.n, F32), tr.cast(streams, F32, name="head.streams:fp32"))
+    collapsed = tr.cast(tr.new("head.collapsed", rows * sh.D, F32), streams.dtype, name="head.collapsed")
+    hidden = rms_norm(tr, collapsed, rows)
+    tr.save(hidden)
+    tr.save(tr.new("loss.softmax", rows * sh.vocab, F32))  # cross_entropy keeps its softmax
+    tr.save(tr.new("loss.sum", 1, F32), tr.new("loss.count", 1, F32), tr.new("loss.mean", 1, F32))
+
+
+def mlp_kind(config: Any, layer: int) -> str:
+    moe = config.moe
+    return "dense" if layer < moe.first_k_dense_replace else "hash" if layer < moe.moe_n_hash_layers else "topk"
+
+
+def layer_terms(config: Any, layer: int, batch: int, seq: int, act: str = F32) -> dict[str, T]:
+    """The storages decoder layer ``layer`` keeps for the backward (its input streams included)."""
+    sh = Shapes.of(config, batch, seq)
+    tr = Trace(act)
+    plan = recompute_plan(config)
+    chunk, modules = plan.chunk_of(layer), plan.modules_of(layer)
+    att = layer_attention(config.model, layer)
+    streams = T("layer.streams", sh.tokens * sh.n * sh.D, act)
+    run = lambda x: decoder_layer(tr, sh, att, mlp_kind(config, layer), modules, x)  # noqa: E731
+    if chunk is None:
+        run(streams)
+    elif chunk[0] == layer:  # full recompute: the chunk keeps its input
+        tr.segment(True, run, streams)
+    else:
+        tr.depth += 1
+        run(streams)
+    return tr.saved
+
+
+def other_terms(config: Any, batch: int, seq: int, act: str = F32) -> dict[str, T]:
+    sh = Shapes.of(config, batch, seq)
+    tr = Trace(act)
+    tr.save(tr.new("embedding.ids", sh.tokens, I64))  # the lookup keeps its ids (negative ones remapped first)
+    head(tr, sh, T("head.streams", sh.tokens * sh.n * sh.D, act))
+    return tr.saved
+
+
+def nbytes(terms: dict[str, T]) -> int:
+    return sum(t.numel * BYTES[t.dtype] for t in terms.values())
+
+
+def model_bytes(config: Any, batch: int, seq: int, act: str = F32) -> dict[int | None, int]:
+    """Bytes kept per decoder layer, and under None the embedding / head / loss."""
+    out: dict[int | None, int] = {i: nbytes(layer_terms(config, i, batch, seq, act))
+                                  for i in range(config.model.num_hidden_layers)}
+    out[None] = nbytes(other_terms(config, batch, seq, act))
+    return out
+
+
+# -- the tables ---------------------------------------------------------------------------------------------------
+FLASH = ROOT / "configs" / "dsv4_flash_gpu.yaml"
+PROBE_KINDS = [0, 4, 128, -1]  # one layer of each DSv4 kind, for the per-kind columns
+GIB = 2**30
+
+
+def policies(config: Any) -> dict[str, dict]:
+    """The recompute settings the tables compare (the ones this config can take), the config's own included."""
+    full = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    usable = [m for m in MODULES if m != "vha_postmix" or config.model.use_vha_attention]
+    out: dict[str, dict] = {"none": {"recompute_granularity": None}, "full (1 layer per chunk)": full}
+    out.update({f"selective: {m}": {"recompute_granularity": "selective", "recompute_modules": [m]} for m in usable})
+    own = config.recompute
+    if own.recompute_granularity == "selective":
+        names = ", ".join(own.recompute_modules)
+        out[f"selective: {names} (this YAML)"] = {"recompute_granularity": "selective",
+                                                  "recompute_modules": own.recompute_modules}
+    out["selective: all"] = {"recompute_granularity": "selective", "recompute_modules": usable}
+    return out
+
+
+def _load(source: Any, overrides: dict, policy: dict) -> Any:
+    clear = {"recompute_method": None, "recompute_num_layers": None, "recompute_modules": None}
+    return load_config(source, **{**overrides, **clear, **policy})
+
+
+def kind_table(source: Any, overrides: dict, batch: int, seq: int, act: str) -> tuple[list[str], list[list]]:
+    """Rows (policy, bytes per layer of each kind, model total) at ``source``'s widths: the kinds on a probe model
+    with one top-k MoE layer of each kind, the total on the model as configured."""
+    base = load_config(source, **overrides)
+    probe = {**overrides, "csa_compress_ratios": PROBE_KINDS, "num_hidden_layers": len(PROBE_KINDS),
+             "moe_n_hash_layers": 0, "first_k_dense_replace": 0}
+    kinds = [k.value for k in kinds_of(load_config(source, **probe).model)]
+    rows = []
+    for name, policy in policies(base).items():
+        per_kind = model_bytes(_load(source, probe, policy), batch, seq, act)
+        total = sum(model_bytes(_load(source, overrides, policy), batch, seq, act).values())
+        rows.append([name, *(per_kind[i] for i in range(len(kinds))), total])
+    return ["policy", *kinds, "model"], rows
+
+
+def print_kind_table(header: list[str], rows: list[list], layers: int) -> None:
+    none_total = rows[0][-1]
+    print("| " + " | ".join([header[0], *(f"{k} (GiB/layer)" for k in header[1:-1]),
+                            f"whole model, {layers} layers (GiB)", "vs none"]) + " |")
+    print("|---" * (len(header) + 1) + "|")
+    for name, *cells, total in rows:
+        print(f"| {name} | " + " | ".join(f"{c / GIB:,.2f}" for c in cells)
+              + f" | {total / GIB:,.1f} | {total / none_total:.1%} |")
+
+
+def print_terms(source: Any, overrides: dict, kind: str, batch: int, seq: int, act: str, top: int) -> None:
+    """The largest storages one layer of ``kind`` keeps without recompute (name, dtype, elements, GiB)."""
+    probe = {**overrides, "csa_compress_ratios": PROBE_KINDS, "num_hidden_layers": len(PROBE_KINDS),
+             "moe_n_hash_layers": 0, "first_k_dense_replace": 0}
+    config = _load(source, probe, {"recompute_granularity": None})
+    layer = [k.value for k in kinds_of(config.model)].index(kind)
+    terms = sorted(layer_terms(config, layer, batch, seq, act).values(), key=lambda t: -t.numel * BYTES[t.dtype])
+    print(f"| storage ({kind}, no recompute) | dtype | elements | GiB |\n|---|---|---|---|")
+    for t in terms[:top]:
+        print(f"| {t.name.split('#')[0]} | {t.dtype} | {t.numel:,} | {t.numel * BYTES[t.dtype] / GIB:,.3f} |")
+
+
+def _overrides(pairs: list[str]) -> dict:
+    import yaml
+
+    return {key: yaml.safe_load(value) for key, value in (p.split("=", 1) for p in pairs)}
+
+
+def unmodelled_off(source: Any, overrides: dict) -> tuple[dict, str]:
+    """``overrides`` plus what turns off the parts the formula does not price (the MTP layers, the CSA indexer KL
+    loss), and a note naming them ("" when the config has none)."""
+    model = load_config(source, **overrides).model
+    off, notes = dict(overrides), []
+    if model.num_nextn_predict_layers:
+        off.update(num_nextn_predict_layers=0, csa_compress_ratios=model.csa_compress_ratios[:model.num_hidden_layers])
+        notes.append(f"{model.num_nextn_predict_layers} MTP layer(s) excluded")
+    if model.dsa_indexer_loss_coeff > 0:
+        off["dsa_indexer_loss_coeff"] = 0.0
+        notes.append(f"CSA indexer KL loss (coeff {model.dsa_indexer_loss_coeff}) excluded")
+    return off, "; ".join(notes)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=str(FLASH))
+    parser.add_argument("--seq", type=int, default=4096, help="tokens per sequence on this rank")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="activation dtype")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides")
+    parser.add_argument("--terms", metavar="KIND", help="list the largest storages of one layer of KIND instead")
+    parser.add_argument("--top", type=int, default=12)
+    args = parser.parse_args()
+    overrides, note = unmodelled_off(args.config, _overrides(args.set))
+    if note:
+        print(f"not priced (not modelled yet): {note}\n")
+    if args.terms:
+        print_terms(args.config, overrides, args.terms, args.batch, args.seq, args.dtype, args.top)
+        return
+    header, rows = kind_table(args.config, overrides, args.batch, args.seq, args.dtype)
+    print_kind_table(header, rows, load_config(args.config, **overrides).model.num_hidden_layers)
+    full = next(r for r in rows if r[0].startswith("full"))
+    print(f"\nfull recompute keeps {full[-1] / rows[0][-1]:.1%} of the activations of no recompute (goal: <= 10 %)")
+
+
+if __name__ == "__main__":
+    main()

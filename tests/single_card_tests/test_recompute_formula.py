@@ -1,0 +1,149 @@
+"""The activation-memory formula equals the bytes autograd really keeps, per layer and per recompute setting.
+
+``scripts/bench/recompute_formula.py`` prices every storage the forward saves for the backward from the
+config's widths; ``scripts/bench/recompute_memory.py`` counts the real forward with
+``paddle.autograd.saved_tensors_hooks`` (each storage once, only what a live grad node still holds, weights and
+cached tables excluded, a recomputed segment's inputs and replayed decisions instead of its internals). They must
+agree byte for byte on CPU fp32 for every decoder layer (window, CSA, HCA, full-causal) and for the embedding /
+head / loss, at two sets of widths and shapes, for no recompute, full recompute (one layer and several layers per
+chunk, uniform and block) and each selective module; with the fusion switches of the DSv4-Flash YAML; with the
+Triton sparse-attention backend. A formula with a planted error (a term dropped, a Sinkhorn step missed) fails.
+When a layer changes what it saves, this test fails until the formula follows.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import tiny_model
+
+from fleet_ext.config import load_config
+from fleet_ext.layer_kinds import kinds_of
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+memory = _script("recompute_memory")
+formula = _script("recompute_formula")
+
+TINY = ROOT / "fleet_ext" / "configs" / "dsv4_tiny_cpu.yaml"
+# (config source, overrides, batch, seq): the benchmark's model (YAML widths, VHA, hash + top-k MoE) with HCA and
+# CSA entries and a ragged tail; other widths with a dense first layer, sigmoid scores, no renormalisation, no
+# SwiGLU clamp, two shared experts and the sequence aux loss.
+SHAPE_A = (TINY, {"csa_compress_ratios": [0, 4, 128, -1], "use_vha_attention": True}, 2, 300)
+SHAPE_B = (TINY, tiny_model(use_vha_attention=True, moe_n_hash_layers=0, first_k_dense_replace=1,
+                            scoring_func="sigmoid", norm_topk_prob=False, swiglu_limit=0.0, intermediate_size=24,
+                            n_shared_experts=2, moe_router_load_balancing_type="seq_aux_loss"), 3, 257)
+FLASH_SWITCHES = {"apply_rope_fusion": True, "dsv4_q_rms_norm_fusion": True, "dsa_sink_grad_fusion": True,
+                  "sparse_attn_global_kv_idx_remap_fusion": True, "use_vha_attention": False,
+                  "moe_router_load_balancing_type": "seq_aux_loss", "moe_router_fusion": True,
+                  "moe_permute_fusion": True}
+TRITON = {"csa_sparse_attn_backend": "triton", "sparse_attn_global_kv_idx_remap_fusion": True,
+          "apply_rope_fusion": True, "dsv4_q_rms_norm_fusion": True}
+
+
+def _full(method: str, layers: int) -> dict:
+    return {"recompute_granularity": "full", "recompute_method": method, "recompute_num_layers": layers}
+
+
+def _selective(*modules: str) -> dict:
+    return {"recompute_granularity": "selective", "recompute_modules": list(modules)}
+
+
+POLICIES = {
+    "none": {},
+    "full_uniform_1": _full("uniform", 1),
+    "full_uniform_3": _full("uniform", 3),
+    "full_block_2": _full("block", 2),
+    **{module: _selective(module) for module in formula.MODULES},
+    "selective_all": _selective(*formula.MODULES),
+}
+
+
+def _compare(source, overrides: dict, batch: int, seq: int) -> tuple[dict, dict, list[str]]:
+    """(counted, formula) bytes per layer (None: embedding, head, loss) and the layer names for messages."""
+    config = load_config(source, **overrides)
+    counted: dict = {layer: 0 for layer in [*range(config.model.num_hidden_layers), None]}
+    for layer, nbytes, *_ in memory.saved_records(config, batch, seq):
+        counted[layer] += nbytes
+    names = [f"layer {i} ({kind.value})" for i, kind in enumerate(kinds_of(config.model))]
+    return counted, formula.model_bytes(config, batch, seq), names
+
+
+def _assert_equal(source, overrides: dict, batch: int, seq: int) -> dict:
+    counted, predicted, names = _compare(source, overrides, batch, seq)
+    for layer, nbytes in counted.items():
+        name = "embedding/head/loss" if layer is None else names[layer]
+        assert predicted[layer] == nbytes, f"{name}: formula {predicted[layer]} B, counted {nbytes} B"
+    return counted
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_formula_equals_counted_bytes_on_the_benchmark_model(policy):
+    source, overrides, batch, seq = SHAPE_A
+    counted = _assert_equal(source, {**overrides, **POLICIES[policy]}, batch, seq)
+    assert all(counted[layer] > 0 for layer in counted), "every layer keeps something (its input at least)"
+
+
+@pytest.mark.parametrize("policy", ["none", "full_uniform_3", "selective_all"])
+def test_formula_equals_counted_bytes_at_other_widths(policy):
+    source, overrides, batch, seq = SHAPE_B
+    _assert_equal(source, {**overrides, **POLICIES[policy]}, batch, seq)
+
+
+# The Triton interpreter is slow on CPU: short sequences, with HCA compressing every 16 tokens to have entries.
+SHORT = {"hca_compress_ratio": 16}
+
+
+def test_formula_with_the_flash_yaml_fusion_switches():
+    """Fused RoPE and q RMS norm, the sink-gradient fusion, the index remap kernel (Triton interpreter), the fused
+    MoE router and permute, no VHA."""
+    source, overrides, _, _ = SHAPE_A
+    _assert_equal(source, {**overrides, **SHORT, **FLASH_SWITCHES, **_selective("mhc", "moe_act")}, 2, 40)
+
+
+def test_formula_with_the_triton_sparse_attention_backend():
+    source, overrides, _, _ = SHAPE_A
+    _assert_equal(source, {**overrides, **SHORT, **TRITON}, 1, 24)
+
+
+def _drop_first_term(original):
+    """``original`` with the first storage it saves left out: a term forgotten in the formula."""
+
+    def planted(tr, *args, **kwargs):
+        save, dropped = tr.save, []
+
+        def save_all_but_the_first(*tensors):
+            if not dropped:
+                dropped.append(tensors[0])
+                tensors = tensors[1:]
+            save(*tensors)
+
+        tr.save = save_all_but_the_first
+        try:
+            return original(tr, *args, **kwargs)
+        finally:
+            tr.save = save
+
+    return planted
+
+
+@pytest.mark.parametrize("target", ["swiglu", "sinkhorn", "sparse_attention"])
+def test_a_planted_formula_error_is_caught(monkeypatch, target):
+    """Negative control: drop the first term one formula function saves; every layer using it must disagree."""
+    monkeypatch.setattr(formula, target, _drop_first_term(getattr(formula, target)))
+    source, overrides, batch, seq = SHAPE_A
+    counted, predicted, names = _compare(source, overrides, batch, seq)
+    wrong = [names[layer] for layer in range(4) if predicted[layer] != counted[layer]]
+    assert wrong == names, f"planted error in {target} went unnoticed in {sorted(set(names) - set(wrong))}"
