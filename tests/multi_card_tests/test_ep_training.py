@@ -72,6 +72,18 @@ def test_ep2_equals_dp2_through_a_killed_rank_and_resume(dp_reference, tmp_path)
                             checkpoint_tensors(back / "checkpoint-6", part), f"EP=2 -> EP=1 resume, {part}")
 
 
+def test_ep2_under_recompute_equals_dp2(dp_reference, tmp_path):
+    """Full recompute re-runs each chunk's all-to-all exchanges in the backward, in the same order on every rank,
+    and selective ``moe`` recompute the experts between them: the losses stay DP=2's without recompute, exactly."""
+    for name, keys in (("full", {"recompute_granularity": "full", "recompute_method": "uniform",
+                                 "recompute_num_layers": 2}),
+                       ("moe", {"recompute_granularity": "selective", "recompute_modules": ["moe", "mhc"]})):
+        out = tmp_path / name
+        result = _launch(out, tmp_path / f"logs_{name}", expert_model_parallel_size=2, save_steps=0, **keys)
+        assert result.returncode == 0, describe(result, tmp_path / f"logs_{name}")
+        _assert_losses_match(dp_reference, out, [1, 2, 3, 4, 5, 6])
+
+
 def test_ep1_checkpoint_resumes_under_ep2_allgather(dp_reference, tmp_path):
     out = tmp_path / "fwd"
     result = _launch(out, tmp_path / "logs", expert_model_parallel_size=2, moe_token_dispatcher_type="allgather",

@@ -101,7 +101,11 @@ def _layer_case(name: str, rank: int) -> dict:
         checks[n] = g.shape == want.shape and g.tobytes() == want.tobytes()
     checks["same_params_with_grads"] = sorted(grads) == sorted(want_grads)
     sent = {k: v - before.get(k, 0) for k, v in COMM_BYTES.items() if v != before.get(k, 0)}
-    return {"bitwise": checks, "bytes_sent": sent}
+    x, ids, _ = _inputs(rank, 3)
+    with paddle.no_grad():  # this rank's routing (the reference's weights): token slots whose expert lives elsewhere
+        _, indices = ref.router(paddle.to_tensor(x), paddle.to_tensor(ids))
+    remote = int((indices.numpy() // (E // EP) != rank).sum())
+    return {"bitwise": checks, "bytes_sent": sent, "remote_slots": remote}
 
 
 def _identity_case(routing: str, dispatcher: str, rank: int) -> dict:
@@ -162,6 +166,18 @@ def test_moe_layer_ep2_is_bitwise_dp2(launched, case):
         bad = [k for k, ok in result[case]["bitwise"].items() if not ok]
         assert not bad, (rank, case, bad)
         assert "experts.weight1" in result[case]["bitwise"]
+
+
+@pytest.mark.parametrize("case", ["topk_alltoall", "hash_alltoall"])
+def test_all_to_all_bytes_match_the_formula(launched, case):
+    """One row of D fp32 values per token slot that crosses ranks: rank r sends its own remote slots in the dispatch
+    and in the combine's backward, and the other rank's slots routed to r's experts in the combine and in the
+    dispatch's backward: 2 x (R_r + R_other) x D x 4 bytes per layer step (R: slots whose expert is remote)."""
+    remote = [result[case]["remote_slots"] for result in launched]
+    assert min(remote) > 0
+    for rank, result in enumerate(launched):
+        want = 2 * (remote[rank] + remote[1 - rank]) * D * 4
+        assert result[case]["bytes_sent"]["ep_all_to_all"] == want, (rank, result[case]["bytes_sent"], remote)
 
 
 def test_dispatchers_give_the_same_bits(launched):
