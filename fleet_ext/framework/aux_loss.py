@@ -15,7 +15,11 @@ class AuxLossAutoScaler(PyLayer):
 
     The main loss's backward then carries the (already coefficient-weighted) auxiliary loss's gradient too,
     while the forward value, and so the logged main loss, is unchanged. ``scale`` is the main loss's backward
-    scale (loss scale / micro-batches), owned by whoever attaches the loss and set through the model.
+    scale (loss scale / micro-batches), owned by whoever attaches the loss and set through the model
+    (``DSv4ForCausalLM.set_aux_loss_backward_scale``), not a class-level global. A frozen ``output`` (indexer
+    warm-up) comes back as a copy, so the main loss's backward still reaches the auxiliary loss; the frozen side
+    gets no gradient (PaddleFleet returns ``output.clone()`` there too). Used for the MoE sequence aux loss, the
+    indexers' KL losses and the MTP loss.
     """
 
     @staticmethod

@@ -31,12 +31,11 @@ output: the forward value is unchanged, the backward adds the loss gradient (Meg
 from __future__ import annotations
 
 import collections
-from typing import Any
 
 import paddle
-from paddle.autograd import PyLayer
 
 from fleet_ext.config import ModelConfig
+from fleet_ext.framework.aux_loss import AuxLossAutoScaler
 from fleet_ext.framework.layer import FleetLayer, normal_init
 from fleet_ext.layers.index_tables import window_index_table
 from fleet_ext.parallel.cp_collectives import sum_over_sequence
@@ -238,29 +237,8 @@ def indexer_kl_loss(
     return (per_row * keep).sum() / paddle.clip(kept_rows, min=1.0)
 
 
-class DSAIndexerLossAutoScaler(PyLayer):
-    """Identity on ``output`` whose backward also feeds ``d(loss) = scale`` (Megatron).
-
-    Attaches the (already coefficient-scaled) indexer loss to the attention output without changing the forward
-    value. A frozen ``output`` (indexer warm-up) comes back as a copy that requires grad, so the LM loss's backward
-    still reaches the loss; the frozen side gets no gradient (PaddleFleet returns ``output.clone()`` there too).
-    ``scale`` is the main loss's backward scale, owned by the attention layer and set through the model
-    (``DSv4ForCausalLM.set_aux_loss_backward_scale``), like ``MoEAuxLossAutoScaler``.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, output: paddle.Tensor, loss: paddle.Tensor, scale: float = 1.0) -> paddle.Tensor:
-        ctx.save_for_backward(loss)
-        ctx.scale = float(scale)
-        ctx.output_needs_grad = not output.stop_gradient
-        # Paddle refuses to hand back a leaf as a PyLayer output (in-place rule): copy leaves and frozen outputs.
-        return output.clone() if output.is_leaf else output
-
-    @staticmethod
-    def backward(ctx: Any, grad_output: paddle.Tensor) -> tuple[paddle.Tensor | None, paddle.Tensor]:
-        (loss,) = ctx.saved_tensor()
-        grad_loss = paddle.ones_like(loss) * ctx.scale
-        return (grad_output if ctx.output_needs_grad else None), grad_loss
+# The indexers attach their KL loss to the attention output with the shared auto-scaler (Megatron's name).
+DSAIndexerLossAutoScaler = AuxLossAutoScaler
 
 
 class DSAIndexer(FleetLayer):

@@ -20,6 +20,7 @@ import paddle
 import paddle.nn.functional as F
 from paddle.autograd import PyLayer
 
+from fleet_ext.framework.aux_loss import AuxLossAutoScaler
 from fleet_ext.framework.contracts import MoEOps
 from fleet_ext.framework.layer import FleetLayer
 from fleet_ext.layers.mlp import SwiGLUMLP, check_hidden, clamped_swiglu
@@ -97,24 +98,8 @@ def sequence_aux_loss(
     return (f * p_mean).sum(axis=-1).mean() * coeff
 
 
-class MoEAuxLossAutoScaler(PyLayer):
-    """Identity on ``output`` whose backward also feeds ``d(aux_loss) = scale`` (Megatron's trick).
-
-    This adds the aux loss gradient to the router without touching the forward value or the
-    training loss. ``scale`` is the main loss's backward scale, owned by the router instance and set
-    through the model (``DSv4ForCausalLM.set_aux_loss_backward_scale``), not a class-level global.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, output: paddle.Tensor, aux_loss: paddle.Tensor, scale: float = 1.0) -> paddle.Tensor:
-        ctx.save_for_backward(aux_loss)
-        ctx.scale = float(scale)
-        return output
-
-    @staticmethod
-    def backward(ctx: Any, grad_output: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
-        (aux_loss,) = ctx.saved_tensor()
-        return grad_output, paddle.ones_like(aux_loss) * ctx.scale
+# The router attaches the sequence aux loss to its routing weights with the shared auto-scaler (Megatron's name).
+MoEAuxLossAutoScaler = AuxLossAutoScaler
 
 
 # --------------------------------------------------------------------------------------------------
