@@ -100,3 +100,22 @@ def assert_same_tensors(a: dict[str, np.ndarray], b: dict[str, np.ndarray], what
         if a[key].tobytes() != b[key].tobytes():
             diff = np.abs(a[key].astype(np.float64) - b[key].astype(np.float64)).max()
             raise AssertionError(f"{what}: {key} differs (max |diff| {diff})")
+
+
+GATE = Path(__file__).with_name("test_capability_gate.py")  # runs the CLI and records every rank's exit code
+
+
+def assert_bad_config_exits_2_on_every_rank(tmp_path: Path, overrides: dict, message: str) -> None:
+    """Launch 2 ranks through the capability-gate test's script (it records each rank's exit code; the launcher
+    stops the others as soon as one exits): every rank exits 2 with ``message``, before joining a process group or
+    building a model, and writes nothing."""
+    import json
+
+    gate, logs, out = tmp_path / "gate", tmp_path / "logs", tmp_path / "out"
+    result = launch(GATE, ["--gate_dir", str(gate), "--output_dir", str(out), *cli_args(overrides)], logs, timeout=120)
+    assert result.returncode == 2, describe(result, logs)
+    for rank in (0, 1):
+        assert f"[rank {rank}] fleet_ext pretrain: error: {message}" in worker_log(logs, rank), worker_log(logs, rank)
+        state = json.loads((gate / f"rank_{rank}.json").read_text())
+        assert state == {"rank": rank, "exit_code": 2, "models_built": 0, "process_group_joined": False}, state
+    assert not out.exists()

@@ -8,16 +8,24 @@ bound; the layer-level test shows the forward is bitwise and the gradients diffe
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from launch_helpers import CONFIG, ROOT, TEST_OVERRIDES, cli_args, describe, launch, train_losses, worker_log
+from launch_helpers import (
+    CONFIG,
+    ROOT,
+    TEST_OVERRIDES,
+    assert_bad_config_exits_2_on_every_rank,
+    cli_args,
+    describe,
+    launch,
+    train_losses,
+    worker_log,
+)
 
 PRETRAIN = ROOT / "scripts" / "pretrain.py"
-GATE = Path(__file__).with_name("test_capability_gate.py")  # runs the CLI and records every rank's exit code
 HYBRID = ROOT / "configs" / "dsv4_hybrid_mla_cpu.yaml"
 CP_OVERRIDES = {**TEST_OVERRIDES, "max_seq_len": 256, "max_steps": 6, "save_steps": 3}
 
@@ -108,11 +116,4 @@ def test_dp2_by_cp2_equals_dp2(tmp_path):
 def test_bad_context_parallel_layouts_exit_2_on_every_rank(tmp_path, overrides, message):
     """Through the capability-gate test's launched script, which records each rank's exit code (the launcher
     stops the others as soon as one exits): 2 everywhere, no process group joined, no model built."""
-    gate, logs, out = tmp_path / "gate", tmp_path / "logs", tmp_path / "out"
-    result = launch(GATE, ["--gate_dir", str(gate), "--output_dir", str(out), *cli_args(overrides)], logs, timeout=120)
-    assert result.returncode == 2, describe(result, logs)
-    for rank in (0, 1):
-        assert f"[rank {rank}] fleet_ext pretrain: error: {message}" in worker_log(logs, rank), worker_log(logs, rank)
-        state = json.loads((gate / f"rank_{rank}.json").read_text())
-        assert state == {"rank": rank, "exit_code": 2, "models_built": 0, "process_group_joined": False}, state
-    assert not out.exists()
+    assert_bad_config_exits_2_on_every_rank(tmp_path, overrides, message)

@@ -53,7 +53,7 @@ def np_full_causal(layout: SequenceLayout) -> np.ndarray:
     return np.where(j <= t, j, -1).astype(np.int32)
 
 
-def _same(got: paddle.Tensor, want: np.ndarray, what: str) -> None:
+def _assert_same_table(got: paddle.Tensor, want: np.ndarray, what: str) -> None:
     assert got.numpy().dtype == want.dtype, f"{what}: dtype {got.numpy().dtype} != {want.dtype}"
     assert_bitwise(got.numpy(), want, what)
 
@@ -74,21 +74,24 @@ def test_window_table_equals_the_host_builder(layout, window, halo):
         with pytest.raises(ValueError, match="first_key"):
             it.window_index_table(layout, window, first_key)
         return
-    _same(it.window_index_table(layout, window, first_key), want, f"window {layout} W={window} first={first_key}")
+    got = it.window_index_table(layout, window, first_key)
+    _assert_same_table(got, want, f"window {layout} W={window} first={first_key}")
 
 
 @settings(max_examples=80, deadline=None)
 @given(layout=layouts, ratio=st.sampled_from([2, 3, 4, 8, 128]), kv_offset=st.integers(0, 60))
 def test_compressed_tables_equal_the_host_builder(layout, ratio, kv_offset):
-    _same(it.compressed_visible_count(layout, ratio), np_visible(layout, ratio), f"visible {layout} r={ratio}")
-    _same(it.all_compressed_index_table(layout, ratio, kv_offset), np_all_compressed(layout, ratio, kv_offset),
-          f"all-compressed {layout} r={ratio} off={kv_offset}")
+    visible = it.compressed_visible_count(layout, ratio)
+    _assert_same_table(visible, np_visible(layout, ratio), f"visible {layout} r={ratio}")
+    table = it.all_compressed_index_table(layout, ratio, kv_offset)
+    want = np_all_compressed(layout, ratio, kv_offset)
+    _assert_same_table(table, want, f"all-compressed {layout} r={ratio} off={kv_offset}")
 
 
 @settings(max_examples=40, deadline=None)
 @given(layout=layouts)
 def test_full_causal_table_equals_the_host_builder(layout):
-    _same(it.full_causal_index_table(layout), np_full_causal(layout), f"full causal {layout}")
+    _assert_same_table(it.full_causal_index_table(layout), np_full_causal(layout), f"full causal {layout}")
 
 
 def test_negative_control_a_planted_difference_fails():
@@ -97,9 +100,9 @@ def test_negative_control_a_planted_difference_fails():
     want = np_window(layout, 8, 9)
     want[3, 2] += 1
     with pytest.raises(AssertionError):
-        _same(got, want, "planted")
+        _assert_same_table(got, want, "planted")
     with pytest.raises(AssertionError):  # ids counted from 0, not from the first key held
-        _same(got, np_window(layout, 8, 0), "wrong first_key")
+        _assert_same_table(got, np_window(layout, 8, 0), "wrong first_key")
 
 
 def test_tables_are_cached_per_layout_parameters_and_device(monkeypatch):
