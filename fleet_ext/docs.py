@@ -50,16 +50,18 @@ def fusion_table_markdown() -> str:
     A claim cell is the registry's verdict and the test files that earn it; the legend under the table
     says what each platform compared.
     """
-    from fleet_ext.registry import CLAIMS_LEGEND, FUSIONS, PLATFORMS
+    from fleet_ext.registry import CLAIMS_LEGEND, DERIVED_FUSIONS, FUSIONS, PLATFORMS
 
     bitwise_heads = [f"bitwise: {label}" for label, _, _ in PLATFORMS.values()]
     header = ["switch", "fuses", *bitwise_heads, "tolerance", "CP-safe", "recompute-safe", "status"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for f in FUSIONS.values():
-        cells = [f"`{f.switch}`", _cell(f.summary), *(_claim_cell(c) for _, c in f.bitwise.items()),
+    for f in [*FUSIONS.values(), *DERIVED_FUSIONS.values()]:
+        needs = " and ".join(f"`{s}`" for s in getattr(f, "requires", ()))  # a derived fusion: no switch of its own
+        status = "available" if f.landed else "not built yet (raises)"
+        cells = [f"`{f.switch}`" + (f" (used when {needs} are on)" if needs else ""), _cell(f.summary),
+                 *(_claim_cell(c) for _, c in f.bitwise.items()),
                  _cell(f.tolerance or "-"), _claim_cell(f.cp_safe, "CPU fp32, 2 gloo ranks"),
-                 _claim_cell(f.recompute_safe, "CPU fp32"),
-                 "available" if f.landed else "not built yet (raises)"]
+                 _claim_cell(f.recompute_safe, "CPU fp32"), "automatic" if needs else status]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join([*lines, "", _cell(CLAIMS_LEGEND).replace("claims: ", "Claims: ", 1) + "."])
 

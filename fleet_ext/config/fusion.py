@@ -22,17 +22,29 @@ class FusionConfig(Section):
 
     apply_rope_fusion: bool = _key(False, "Triton partial interleaved RoPE (forward and inverse).")
     fuse_inv_rope_into_vha_postmix: bool = _key(False, "Inverse RoPE fused into the ungrouped VHA postmix.")
+    inv_rope_postmix_mode: str = _key(
+        "bitwise",
+        "How fuse_inv_rope_into_vha_postmix runs: bitwise (library GEMMs, bitwise equal to the unfused path) or "
+        "fast (one-pass Triton kernels, deterministic split-K weight gradient; within the tolerance in "
+        "fleet_ext.registry.FUSION_MODES). Needs the switch on.",
+        ("bitwise", "fast"),
+    )
     sparse_attn_global_kv_idx_remap_fusion: bool = _key(False, "Triton local -> flat-global KV index remap.")
     dsa_sink_grad_fusion: bool = _key(False, "Triton deterministic attention-sink gradient.")
     dsv4_q_rms_norm_fusion: bool = _key(False, "Triton weightless per-head q RMS norm.")
-    use_fused_mhc: bool = _key(False, "Fused mHC pre/post/Sinkhorn kernels.")
+    use_fused_mhc: bool = _key(
+        False, "Triton mHC: projection, RMS statistics, gates, Sinkhorn and pre collapse in one kernel, the post "
+        "combine in another; deterministic backward (not bitwise: within the registry's tolerance)."
+    )
     moe_permute_fusion: bool = _key(
         False, "Triton MoE permute / unpermute: stable counting sort by expert, gather-based weighted combine."
     )
     moe_router_fusion: bool = _key(
         False, "Triton MoE router: biased top-k (or hash lookup), renormalised scaled weights and per-expert counts."
     )
-    moe_expert_fusion: bool = _key(False, "Grouped expert GEMMs with the clamped SwiGLU epilogue (not built yet).")
+    moe_expert_fusion: bool = _key(
+        False, "Triton grouped expert GEMMs: gate+up with the clamped SwiGLU epilogue, down; deterministic backward."
+    )
     csa_sparse_attn_backend: str = _key("unfused", "Sparse attention of DSv4 layers.", ("unfused", "triton"))
     mqa_sparse_attn_backend: str = _key("unfused", "Sparse attention of -2 layers.", ("unfused", "triton"))
     mqa_sparse_attn_backward_backend: str = _key(

@@ -50,6 +50,7 @@ __all__ = [
     "dsa_index_table",
     "gather_rows",
     "hadamard_transform",
+    "indexer_kl_from_mass",
     "indexer_kl_loss",
     "indexer_rope",
     "indexer_topk",
@@ -221,6 +222,21 @@ def indexer_kl_loss(
     with paddle.no_grad():
         per_head = paddle.exp(attn_logits.astype("float32") - attn_lse.astype("float32").unsqueeze(-1))
         mass = paddle.where(valid.unsqueeze(2), per_head, paddle.zeros_like(per_head)).sum(axis=2)  # [b, s, K]
+    return indexer_kl_from_mass(index_logits, mass, valid, row_mask, layout)
+
+
+def indexer_kl_from_mass(
+    index_logits: paddle.Tensor,
+    mass: paddle.Tensor,
+    valid: paddle.Tensor,
+    row_mask: paddle.Tensor | None = None,
+    layout: SequenceLayout | None = None,
+) -> paddle.Tensor:
+    """``indexer_kl_loss`` from the head-summed attention probabilities ``mass`` [b, s, K] (no gradient; 0 off the
+    valid slots) instead of the [b, s, h, K] logits: the warm-up's dense target comes from the attention backend
+    (``AttentionOps.mqa_causal_probs``) so the per-head logits never exist."""
+    with paddle.no_grad():
+        mass = mass.astype("float32")
         total = mass.sum(axis=-1, keepdim=True)
         target = mass / paddle.clip(total, min=1e-30)
         keep = total.squeeze(-1) > 0

@@ -42,6 +42,10 @@ class DSv4HybridSelfAttention(FleetLayer):
         self.groups, self.o_lora_rank = m.o_groups, m.o_lora_rank
         self.eps = m.rms_norm_eps
         self.pad_token_id = m.pad_token_id
+        if ops.q_norm_rope is None or ops.kv_norm_rope is None:
+            raise ValueError("DSv4HybridSelfAttention: `ops.q_norm_rope` and `ops.kv_norm_rope` must be callables "
+                             "(the attention prologue), got None; build the ops with the backend provider "
+                             "(fleet_ext.specs.backend.BackendProvider)")
         self.ops = ops
         std = m.init_method_std
         self.linear_q_down_proj = paddle.nn.Linear(
@@ -90,11 +94,11 @@ class DSv4HybridSelfAttention(FleetLayer):
         layout = SequenceLayout.resolve(layout, "DSv4HybridSelfAttention", "hidden_states", seq)
         q_latent = self.q_layernorm(self.linear_q_down_proj(hidden_states))
         q = self.linear_q_up_proj(q_latent).reshape([batch, seq, self.heads, self.head_dim])
-        q = self.ops.q_rms_norm(q, self.eps)
-        kv = self.kv_layernorm(self.linear_kv_proj(hidden_states))
         cos, sin = self.rope_table.cos_sin(layout.positions())
-        q = self.ops.rope(q, cos, sin)
-        kv = self.ops.rope(kv, cos, sin)
+        # norm + RoPE: one fused pass each when the provider resolved the prologue fusion, else the two ops
+        q = self.ops.q_norm_rope(q, self.eps, cos, sin)
+        kv_norm = self.kv_layernorm
+        kv = self.ops.kv_norm_rope(self.linear_kv_proj(hidden_states), kv_norm.weight, kv_norm.eps, cos, sin)
         core = self.core_attention
         loss_mask = input_ids != self.pad_token_id if input_ids is not None and core.loss_coeff > 0 else None
         out = maybe_checkpointed(self.recompute_core, core, q, kv, hidden_states, q_latent, layout, loss_mask)

@@ -123,7 +123,7 @@ class MLASelfAttention(FleetLayer):
         self.softmax_scale = (self.nope + self.rope_dim) ** -0.5 * softmax_factor
         self.core_attention = (
             None if self.mode == "mha" else MQALatentAttention(
-                m, ops.mqa_sparse_attn, self.softmax_scale, config.parallel.mqa_indexer_cp_mode
+                m, ops.mqa_sparse_attn, self.softmax_scale, config.parallel.mqa_indexer_cp_mode, ops.mqa_causal_probs
             )
         )
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 import paddle
-import paddle.nn.functional as F
 
 from fleet_ext.framework.layer import FleetLayer, normal_init
+from fleet_ext.ops.moe_experts.reference import clamped_swiglu  # the routed experts' too; exported here
 
 __all__ = ["clamped_swiglu", "check_hidden", "Linear", "SwiGLUMLP"]
 
@@ -29,18 +29,6 @@ def check_hidden(owner: str, name: str, x: Any, width: int, rank: int | None = N
     shape = list(x.shape)
     if x.dtype not in _FLOAT_DTYPES or (rank is not None and len(shape) != rank) or not shape or shape[-1] != width:
         raise ValueError(f"{want}, got {shape} {x.dtype}")
-
-
-def clamped_swiglu(gate_up: paddle.Tensor, limit: float) -> paddle.Tensor:
-    """``silu(min(gate, limit)) * clip(up, -limit, limit)`` of a packed ``[..., gate | up]`` tensor.
-
-    ``limit == 0`` disables both clamps (the plain SwiGLU).
-    """
-    gate, up = paddle.chunk(gate_up, 2, axis=-1)
-    if limit > 0:
-        gate = paddle.clip(gate, max=limit)
-        up = paddle.clip(up, min=-limit, max=limit)
-    return F.silu(gate) * up
 
 
 class Linear(FleetLayer):

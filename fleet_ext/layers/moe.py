@@ -14,8 +14,10 @@ Parameter names (stable, Megatron style, Paddle [in, out] layout):
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
+import numpy as np
 import paddle
 import paddle.nn.functional as F
 from paddle.autograd import PyLayer
@@ -23,10 +25,17 @@ from paddle.autograd import PyLayer
 from fleet_ext.framework.aux_loss import AuxLossAutoScaler
 from fleet_ext.framework.contracts import MoEOps
 from fleet_ext.framework.layer import FleetLayer
-from fleet_ext.layers.mlp import SwiGLUMLP, check_hidden, clamped_swiglu
+from fleet_ext.layers.mlp import SwiGLUMLP, check_hidden
+from fleet_ext.ops.moe_experts.reference import grouped_mlp
 from fleet_ext.ops.moe_permute import reference as permute_reference
 from fleet_ext.parallel.cp_collectives import sum_over_sequence
-from fleet_ext.parallel.expert_parallel import ExpertParallelGroup, combine_rows, dispatch_rows, exchange_counts
+from fleet_ext.parallel.expert_parallel import (
+    ExpertParallelGroup,
+    combine_rows,
+    dispatch_rows,
+    gather_counts,
+    layout_of,
+)
 from fleet_ext.parallel.layout import SequenceLayout
 from fleet_ext.parallel.recompute import maybe_checkpointed, recording, replayed
 
@@ -140,12 +149,13 @@ class _RouterBase(FleetLayer):
         return router_scores(paddle.matmul(flat, self.weight, transpose_y=True), self.scoring_func)
 
     def _count(self, indices: paddle.Tensor, counts: paddle.Tensor | None = None) -> None:
-        """Add the selections per expert (``counts``, when the fused router counted them already)."""
+        """Add the selections per expert (``counts``, when the fused router counted them already). Counted by sorting
+        (static shapes, exact: ``bincount`` would size its output from the values, a host read on a GPU)."""
         if not self.training:
             return
         with paddle.no_grad():
             if counts is None:
-                counts = paddle.bincount(indices.reshape([-1]), minlength=self.num_experts)
+                counts = permute_reference.expert_counts(paddle.sort(indices.reshape([-1])), self.num_experts)
             self.local_tokens_per_expert.add_(counts[: self.num_experts].astype("float32"))
 
     def _check_hidden(self, hidden_states: Any) -> None:
@@ -305,11 +315,16 @@ def _check_input_ids(owner: str, input_ids: Any, batch_seq: list, required: bool
 # Experts.
 # --------------------------------------------------------------------------------------------------
 class GroupedExperts(FleetLayer):
-    """All routed experts as two stacked weights, computed one contiguous token group per expert.
+    """All routed experts as two stacked weights, computed on tokens grouped by expert on the device.
 
-    (token, slot) pairs are stably sorted by expert so each expert runs one matmul over its segment,
-    the output is scaled by the routing weight after the down projection (as HF does) and
-    added back to its token (``ops.permute`` / ``ops.unpermute``: ``fleet_ext.ops.moe_permute``).
+    (token, slot) pairs are stably sorted by expert (``ops.permute``), the experts slot runs one clamped-SwiGLU
+    expert per contiguous segment of the sorted rows (``ops.experts``: the fused grouped GEMMs, or the reference
+    ``fleet_ext.ops.moe_experts.reference.grouped_mlp``), the outputs are scaled by the routing weights after the
+    down projection (as HF does) and added back to their tokens (``ops.unpermute``).
+
+    Host reads: exactly one per forward (:meth:`_read_host`: the expert-id range check and the rows per expert,
+    which the reference's padding and the expert-parallel exchange need on the host); a recomputed forward replays
+    it instead of reading again.
     """
 
     def __init__(self, config: Any, recompute_activation: bool = False, ops: MoEOps | None = None) -> None:
@@ -346,48 +361,69 @@ class GroupedExperts(FleetLayer):
 
     def forward(self, hidden_states: paddle.Tensor, indices: paddle.Tensor, weights: paddle.Tensor) -> paddle.Tensor:
         """``hidden_states`` [T, D], ``indices`` [T, k] int, ``weights`` [T, k] float -> [T, D]."""
-        counts = self._check(hidden_states, indices, weights)
-        x_sorted, plan = self.ops.permute(hidden_states, indices, self.num_experts)
+        self._check(hidden_states, indices, weights)
+        x_sorted, plan = self.ops.permute(hidden_states, indices, self.num_experts, check_range=False)
+        counts, table = self._read_host(indices, plan.counts)
         if self.ep is not None:
-            y = self._expert_parallel(x_sorted, hidden_states, indices, counts)
+            y = self._expert_parallel(x_sorted, hidden_states, indices, table)
         else:
-            y = self._expert_segments(x_sorted, counts)
+            y = self._grouped(x_sorted, plan.counts, max(counts))
         return self.ops.unpermute(y, weights, plan)
 
+    def _read_host(self, indices: paddle.Tensor, counts: paddle.Tensor) -> tuple[list[int], np.ndarray | None]:
+        """The layer's one device-to-host read: ``indices``' min and max (checked against [0, E) here, before any
+        result of the permute is used) and the rows per expert; under expert parallelism every member's counts
+        (gathered on the device first). Returns (this rank's counts, the members' [ep or world, E] table or None).
+        Replayed, not read again, when recompute re-runs the forward."""
+
+        def read() -> list[int]:
+            flat = indices.reshape([-1])
+            parts = [paddle.stack([flat.min(), flat.max()]).astype("int64"), counts.astype("int64")]
+            if self.ep is not None:
+                parts.append(gather_counts(counts.astype("int64"), self.ep).reshape([-1]))
+            return paddle.concat(parts).tolist()
+
+        values, _ = replayed("GroupedExperts", read)
+        e = self.num_experts
+        permute_reference.check_expert_range(values[0], values[1], e, "GroupedExperts")
+        mine = values[2 : 2 + e]
+        table = np.asarray(values[2 + e :], dtype=np.int64).reshape([-1, e]) if self.ep is not None else None
+        return mine, table
+
+    def _grouped(self, rows: paddle.Tensor, counts: paddle.Tensor, max_count: int) -> paddle.Tensor:
+        """The experts slot on expert-sorted ``rows`` with ``counts`` [E] (device) of this rank's weights; the
+        reference is told ``max(counts)``, which the layer has on the host already."""
+        # ``maybe_checkpointed(True, ...)``: resolves recompute's ``checkpointed`` at call time (as the layers do).
+        checkpoint = partial(maybe_checkpointed, True)
+        experts = self.ops.experts or partial(grouped_mlp, max_count=max_count, checkpoint=checkpoint)
+        return experts(rows, counts, self.weight1, self.weight2, self.limit, self.recompute_activation)
+
     def _expert_parallel(
-        self, x_sorted: paddle.Tensor, hidden_states: paddle.Tensor, indices: paddle.Tensor, counts: list[int]
+        self, x_sorted: paddle.Tensor, hidden_states: paddle.Tensor, indices: paddle.Tensor, table: np.ndarray
     ) -> paddle.Tensor:
-        """Rows to their experts' owners, each local expert once per source rank (per-source weight-gradient
-        partials: ``fleet_ext.parallel.expert_parallel``), outputs back in this rank's expert-sorted order."""
-        layout = exchange_counts(counts, indices.shape[-1], self.ep)
+        """Rows to their experts' owners, the local experts run once per source rank on that source's rows, outputs
+        back in this rank's expert-sorted order (``fleet_ext.parallel.expert_parallel``).
+
+        A loop over the sources, not the experts: a source's rows are grouped as the source itself would group them
+        under data parallelism (its own ``max(counts)`` sizes the reference's buffer), so each expert's weight
+        gradient is a sum of per-source partials with the bits data parallelism all-reduces. The counts are on the
+        host already (the one read of :meth:`_read_host`); the local ones go back to the device once.
+        """
+        layout = layout_of(table, indices.shape[-1], self.ep)
         received = dispatch_rows(x_sorted, hidden_states, indices, layout, self.ep)
+        first = self.ep.rank * layout.per_rank
+        local = paddle.to_tensor(layout.counts[:, first : first + layout.per_rank])  # [ep, L]
         outs, start = [], 0
         for source in range(layout.size):
-            for expert, n in enumerate(layout.local_counts(source)):
-                if n:
-                    outs.append(self._expert(expert, received[start : start + n]))
-                    start += n
+            n = sum(layout.local_counts(source))
+            if n:
+                outs.append(self._grouped(received[start : start + n], local[source], int(layout.counts[source].max())))
+                start += n
         y = paddle.concat(outs, axis=0) if outs else received[:0]
         return combine_rows(y, layout, self.ep)
 
-    def _expert(self, expert: int, rows: paddle.Tensor) -> paddle.Tensor:
-        """One clamped-SwiGLU expert (``expert``: index into this rank's weights) on ``rows``."""
-        gate_up = paddle.matmul(rows, self.weight1[expert])
-        h = maybe_checkpointed(self.recompute_activation, clamped_swiglu, gate_up, self.limit)
-        return paddle.matmul(h, self.weight2[expert])
-
-    def _expert_segments(self, x_sorted: paddle.Tensor, counts: list[int]) -> paddle.Tensor:
-        """One clamped-SwiGLU expert per contiguous segment of expert-sorted tokens."""
-        outs, start = [], 0
-        for expert, n in enumerate(counts):
-            if n == 0:
-                continue
-            outs.append(self._expert(expert, x_sorted[start : start + n]))
-            start += n
-        return paddle.concat(outs, axis=0)
-
-    def _check(self, hidden_states: Any, indices: Any, weights: Any) -> list[int]:
-        """Validate shapes and expert ids; return the tokens per expert (one host sync, needed for segments)."""
+    def _check(self, hidden_states: Any, indices: Any, weights: Any) -> None:
+        """Validate shapes and dtypes (no host read: the expert-id range is checked by :meth:`_read_host`)."""
         check_hidden("GroupedExperts", "hidden_states", hidden_states, self.hidden_size, rank=2)
         tokens = hidden_states.shape[0]
         if (
@@ -405,15 +441,8 @@ class GroupedExperts(FleetLayer):
         ):
             got = f"{list(weights.shape)} {weights.dtype}" if isinstance(weights, paddle.Tensor) else type(weights)
             raise ValueError(f"GroupedExperts: `weights` must be {list(indices.shape)} float, got {got}")
-        flat = indices.reshape([-1])
-        if flat.shape[0] == 0:
+        if indices.shape[0] == 0 or indices.shape[1] == 0:
             raise ValueError("GroupedExperts: `indices` must hold at least one token, got an empty tensor")
-        lo, hi = (int(v) for v in paddle.stack([flat.min(), flat.max()]).tolist())
-        if lo < 0 or hi >= self.num_experts:
-            raise ValueError(
-                f"GroupedExperts: `indices` must lie in [0, {self.num_experts}), got values in [{lo}, {hi}]"
-            )
-        return paddle.bincount(flat, minlength=self.num_experts).tolist()
 
 
 # --------------------------------------------------------------------------------------------------

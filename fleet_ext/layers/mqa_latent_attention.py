@@ -6,12 +6,16 @@ latent key [b, S, kv_lora + rope] (``c_kv`` then ``k_pe``) for every position of
 context parallelism; under it the caller all-gathers the keys, and the DSA indexer's keys are gathered here);
 the value is the first ``kv_lora`` channels of the key. The output [b, s, h, kv_lora] is still latent:
 ``MLASelfAttention`` de-absorbs it through the value up-projection. Every phase calls the sparse attention
-through the backend's ``sparse_attn(q, kv, idx, sink, scale, d_v=...)``.
+through the backend's ``sparse_attn(q, kv, idx, sink, scale, d_v=...)``; the dense phases pass ``idx=None`` and
+``q_offset`` (the dense causal mode: the Triton backend runs it without an index table, the reference backend
+through the layout's full-causal table, ``dense_causal_through_table``).
 
 Phases (``_phase``):
-- ``full_causal`` (``hybrid_mla_attention: mqa_full_causal``): every key 0..t (a full-causal index table).
+- ``full_causal`` (``hybrid_mla_attention: mqa_full_causal``): every key 0..t (the dense causal mode).
 - ``warmup`` (``mqa_dsa``, ``dsa_indexer_use_sparse_loss: false``): the same dense attention; the indexer is
-  trained by the KL over the whole causal set (pair it with ``train_indexer_only``).
+  trained by the KL over the whole causal set (pair it with ``train_indexer_only``). The KL's target, the
+  attention's probabilities summed over heads [b, s, n], comes from the backend's ``causal_probs`` (the Triton
+  one never builds the [b, s, h, n] logits).
 - ``sparse`` (``mqa_dsa``, ``dsa_indexer_use_sparse_loss: true``): indexer top-k (+ the forced window unless
   ``dsa_indexer_force_window: false``); the KL runs over the top-k picks only (the forced window and the sink are
   outside the indexer's choice, as in PaddleFleet).
@@ -44,16 +48,41 @@ from fleet_ext.layers.dsa_indexer import (
     DSAIndexerLossAutoScaler,
     causal_key_count,
     gather_rows,
+    indexer_kl_from_mass,
     indexer_kl_loss,
     indexer_topk,
     topk_width,
     with_forced_window,
 )
+from fleet_ext.ops.sparse_attn.reference import causal_attention_probs
 from fleet_ext.parallel.cp_collectives import exchange_with_mirror, gather_sequence, mirror_rank
 from fleet_ext.parallel.layout import SequenceLayout
 from fleet_ext.parallel.recompute import recording, replayed
 
-__all__ = ["MQALatentAttention", "indexer_work_per_rank"]
+__all__ = ["MQALatentAttention", "dense_causal_through_table", "indexer_work_per_rank"]
+
+
+def dense_causal_through_table(sparse_attn: Callable) -> Callable:
+    """``sparse_attn`` with the dense causal mode (``idx=None``, ``q_offset=``) served by an index table: the
+    layout's full-causal table (``index_tables.full_causal_index_table``, cached, [s, S] int32) expanded over the
+    batch. The reference backend's dense mode (its results are those of the table path, bit for bit); the Triton
+    backend has a table-free kernel instead."""
+
+    def attention(q, kv, idx, sink, scale, d_v=None, q_offset=0, **kwargs):
+        if idx is None:
+            seq, keys = q.shape[1], kv.shape[1]
+            if seq < 1 or keys % seq or q_offset % seq:
+                raise ValueError(f"dense causal attention through a table: `q_offset` ({q_offset}) and the key count "
+                                 f"({keys}) must be multiples of the query count ({seq}) (contiguous chunks)")
+            layout = SequenceLayout(offset=q_offset, local_len=seq, global_len=keys, cp_size=keys // seq,
+                                    cp_rank=q_offset // seq)
+            table = index_tables.full_causal_index_table(layout)
+            idx = table.unsqueeze(0).expand([q.shape[0], *table.shape])
+        elif q_offset:
+            raise ValueError(f"sparse attention: `q_offset` ({q_offset}) belongs to the dense causal mode (idx=None)")
+        return sparse_attn(q, kv, idx, sink, scale, d_v=d_v, **kwargs)
+
+    return attention
 
 
 def indexer_work_per_rank(global_len: int, cp: int, mode: str = "contiguous") -> list[int]:
@@ -75,8 +104,11 @@ class MQALatentAttention(FleetLayer):
     """query [b, s, h, L + r], key [b, s, L + r], sink [h] -> latent output [b, s, h, L] (L = kv_lora_rank)."""
 
     def __init__(
-        self, config: ModelConfig, sparse_attn: Callable, softmax_scale: float, indexer_cp_mode: str = "contiguous"
+        self, config: ModelConfig, sparse_attn: Callable, softmax_scale: float, indexer_cp_mode: str = "contiguous",
+        causal_probs: Callable | None = None,
     ) -> None:
+        """``sparse_attn``: the backend's slot (``AttentionOps.mqa_sparse_attn``); ``causal_probs``: its warm-up KL
+        target (``AttentionOps.mqa_causal_probs``, default the reference)."""
         super().__init__()
         if indexer_cp_mode not in MQA_INDEXER_CP_MODES:
             raise ValueError(
@@ -95,6 +127,7 @@ class MQALatentAttention(FleetLayer):
         self.window = config.csa_window_size if config.dsa_indexer_force_window else 0
         self.loss_coeff = config.dsa_indexer_loss_coeff
         self._sparse_attn = sparse_attn
+        self._causal_probs = causal_probs or causal_attention_probs
         if config.hybrid_mla_attention == "mqa_full_causal":
             self.phase = "full_causal"
             self.indexer = None
@@ -164,11 +197,6 @@ class MQALatentAttention(FleetLayer):
         q, k, w = self.indexer(x, q_latent, cos, sin)
         return q, gather_sequence(k, layout), w
 
-    @staticmethod
-    def _full_causal_table(batch: int, layout: SequenceLayout) -> paddle.Tensor:
-        table = index_tables.full_causal_index_table(layout)
-        return table.unsqueeze(0).expand([batch, *table.shape])
-
     # -- forward ----------------------------------------------------------------------------------------
     def forward(
         self,
@@ -198,21 +226,20 @@ class MQALatentAttention(FleetLayer):
         with_loss = self.indexer is not None and self.loss_coeff > 0 and self.training and paddle.is_grad_enabled()
         if self.phase == "sparse":
             return self._forward_sparse(query, key, sink, x, q_latent, cos, sin, layout, loss_mask, with_loss)
-        idx = self._full_causal_table(batch, layout)
-        out, lse = self._sparse_attn(query, key, idx, sink, self.scale, d_v=self.kv_lora_rank)
+        # Dense causal: query t sees keys 0 .. t (no index table on the Triton backend).
+        out, lse = self._sparse_attn(query, key, None, sink, self.scale, d_v=self.kv_lora_rank, q_offset=layout.offset)
         if self.phase == "full_causal" or not with_loss:
             return out
         # Warm-up: KL over the whole causal set (dense on both sides, no top-k).
         q_i, k_i, w_i = self._index_inputs(x, q_latent, cos, sin, layout)
         student = DSAIndexer.scores(q_i, k_i, w_i, end=layout.end)  # [b, s, n]: keys before this chunk's end
-        n_keys = student.shape[2]
-        if n_keys < keys:  # context parallelism: later keys are in every local query's future
-            idx, key = idx[:, :, :n_keys], key[:, :n_keys]
-        causal = idx >= 0
-        with paddle.no_grad():
-            attn_logits = paddle.matmul(query.astype("float32"), key.astype("float32").unsqueeze(1), transpose_y=True)
-            attn_logits = attn_logits * self.scale  # [b, s, h, n]
-        return self._attach(out, student, attn_logits, lse, causal, loss_mask, layout)
+        n_keys = student.shape[2]  # under context parallelism later keys are in every local query's future
+        mass = self._causal_probs(query, key, lse, self.scale, layout.offset, n_keys, d_v=self.kv_lora_rank)
+        positions = paddle.arange(layout.offset, layout.end, dtype="int64").unsqueeze(1)
+        causal = (paddle.arange(n_keys, dtype="int64").unsqueeze(0) <= positions).unsqueeze(0)
+        causal = causal.expand([batch, seq, n_keys])
+        kl = indexer_kl_from_mass(student, mass, causal, loss_mask, layout)
+        return self._attach(out, kl)
 
     def _forward_sparse(
         self, query, key, sink, x, q_latent, cos, sin, layout: SequenceLayout, loss_mask, with_loss: bool
@@ -232,10 +259,10 @@ class MQALatentAttention(FleetLayer):
         with paddle.no_grad():
             keys = gather_rows(key.astype("float32"), picked)  # [b, s, k_top, L + r]
             attn_logits = paddle.matmul(query.astype("float32"), keys, transpose_y=True) * self.scale
-        return self._attach(out, student, attn_logits, lse, picked >= 0, loss_mask, layout)
+        return self._attach(out, indexer_kl_loss(student, attn_logits, lse, picked >= 0, loss_mask, layout))
 
-    def _attach(self, out, student, attn_logits, lse, valid, loss_mask, layout: SequenceLayout) -> paddle.Tensor:
-        kl = indexer_kl_loss(student, attn_logits, lse, valid, loss_mask, layout)
+    def _attach(self, out: paddle.Tensor, kl: paddle.Tensor) -> paddle.Tensor:
+        """``out`` carrying ``coeff * kl``'s gradient; the logged loss is the forward's."""
         if recording():  # the logged value is the forward's, not set again by a recompute re-run
             self.indexer_loss = kl.detach()
         return DSAIndexerLossAutoScaler.apply(out, kl * self.loss_coeff, self.loss_backward_scale)

@@ -6,6 +6,7 @@ import paddle
 
 from fleet_ext.framework.layer import FleetLayer
 from fleet_ext.ops.q_rms_norm.reference import rms_normalize  # the weightless norm lives in ops (layers -> ops)
+from fleet_ext.ops.qkv_prologue.reference import rms_norm  # so does the weighted one (the kv prologue fuses it)
 
 __all__ = ["RMSNorm", "rms_normalize"]
 
@@ -21,6 +22,4 @@ class RMSNorm(FleetLayer):
         )
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        xf = x.astype("float32")
-        normed = xf * paddle.rsqrt(xf.square().mean(axis=-1, keepdim=True) + self.eps)
-        return (self.weight * normed).astype(x.dtype)
+        return rms_norm(x, self.weight, self.eps)

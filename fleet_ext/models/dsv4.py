@@ -54,7 +54,7 @@ class DSv4ForCausalLM(FleetLayer):
         covered = {i for chunk in self._recompute_chunks for i in chunk}
         singles = [(i,) for i in range(m.num_hidden_layers) if i not in covered]
         self._layer_chunks = sorted([*self._recompute_chunks, *singles])
-        self.mhc_head = HyperHead(m) if m.enable_hyper_connections else None
+        self.mhc_head = HyperHead(m, self.backend.mhc_ops) if m.enable_hyper_connections else None
         self.final_layernorm = RMSNorm(m.hidden_size, m.rms_norm_eps)
         self.output_layer = (
             None

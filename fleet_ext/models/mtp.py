@@ -54,7 +54,7 @@ class MultiTokenPredictionLayer(FleetLayer):
         self.h_proj = paddle.nn.Linear(m.hidden_size, m.hidden_size, weight_attr=normal_init(std), bias_attr=False)
         # Its kind, RoPE and MoE routing are those of the trailing csa_compress_ratios entry.
         self.decoder = build_layer(decoder_layer_spec(config, m.num_hidden_layers + depth - 1, backend), config)
-        self.mhc_head = HyperHead(m) if m.enable_hyper_connections else None
+        self.mhc_head = HyperHead(m, backend.mhc_ops) if m.enable_hyper_connections else None
         self.final_layernorm = RMSNorm(m.hidden_size, m.rms_norm_eps)
 
     def forward(

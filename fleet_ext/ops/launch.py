@@ -18,6 +18,20 @@ and dtype). Every launch is counted per kernel name (``LAUNCH_COUNTS``, so tests
 really ran) and per route (``ROUTE_COUNTS``). Kernel modules import neither Paddle nor torch; this module
 imports them lazily, and reaches Paddle's and torch's GPU runtime only through ``PADDLE_GPU`` / ``TORCH_GPU``
 (tests replace them to fake a GPU).
+
+**Host cost.** On a small tensor a fused op is bound by the host, so what a launch repeats for the same shapes is
+done once (issue 16 §4):
+
+- an op's launcher keys a :class:`PlanCache` by its tensors' :func:`layout_key` (shape, strides, dtype) and its
+  flags; on a miss it validates the arguments (the same checks and messages as before) and builds a
+  :class:`Plan` (grid, scalar arguments, constexprs), so a repeated call only looks the plan up;
+- a plan's :class:`Bound` remembers the kernel Triton compiled for it, per device and pointer alignment. Triton's
+  ``kernel[grid](...)`` re-derives the same specialisation key from every argument on every call (its binder,
+  its cache key, launch metadata and empty hook chains); for a plan every scalar and constexpr is fixed, so only
+  the tensors' 16-byte alignment (the one other thing Triton specialises a pointer on) and the device can
+  change, and a repeat call goes straight to the compiled kernel's launcher (``BOUND_LAUNCH``; the first call
+  of each (device, alignment) still goes through ``kernel[grid]``, which compiles). Nothing here reads the
+  device back, so the launches can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -31,10 +45,18 @@ from fleet_ext import capability
 
 LAUNCH_COUNTS: collections.Counter[str] = collections.Counter()
 ROUTE_COUNTS: collections.Counter[str] = collections.Counter()
+BOUND_LAUNCH = True  # repeat launches of a plan go straight to the compiled kernel (benchmarks compare it off)
 
 
 def is_paddle(tensor: Any) -> bool:
-    return type(tensor).__module__.startswith("paddle")
+    cls = type(tensor)
+    known = _PADDLE_TYPES.get(cls)
+    if known is None:
+        known = _PADDLE_TYPES[cls] = cls.__module__.startswith("paddle")
+    return known
+
+
+_PADDLE_TYPES: dict[type, bool] = {}  # per argument type: is it Paddle's (asked for every argument of a launch)
 
 
 def dtype_name(tensor: Any) -> str:
@@ -68,15 +90,80 @@ def torch_view(tensor: Any) -> Any:
 
 
 def empty_like(tensor: Any, shape: Sequence[int] | None = None, dtype: Any = None) -> Any:
-    """A new uninitialised tensor in the framework/device of ``tensor``."""
-    shape = list(tensor.shape if shape is None else shape)
+    """A new uninitialised contiguous tensor in the framework/device of ``tensor``."""
     if is_paddle(tensor):
         import paddle
 
-        return paddle.empty(shape, dtype=dtype or tensor.dtype, device=tensor.place)
-    import torch
+        return paddle.empty(list(tensor.shape if shape is None else shape), dtype=dtype or tensor.dtype,
+                            device=tensor.place)
+    # torch: new_empty keeps the device (and the dtype unless given) and is contiguous, as torch.empty
+    return tensor.new_empty(tensor.shape if shape is None else shape, dtype=dtype or tensor.dtype)
 
-    return torch.empty(shape, dtype=dtype or tensor.dtype, device=tensor.device)
+
+def layout_key(tensor: Any) -> tuple:
+    """``(shape, strides, dtype)`` of a Paddle or torch tensor, hashable: what a launch plan depends on.
+
+    The dtype object also tells the frameworks apart (a plan may allocate in the tensor's framework).
+    """
+    if is_paddle(tensor):
+        return tuple(tensor.shape), tuple(tensor.strides), tensor.dtype
+    return tensor.shape, tensor.stride(), tensor.dtype
+
+
+def contiguous_strides(shape: Sequence[int]) -> list[int]:
+    """Element strides of a new contiguous tensor of ``shape`` (what :func:`empty_like` returns)."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(int(n), 1)
+    return strides[::-1]
+
+
+class Plan:
+    """One launch fixed for one key: ``grid``, the ``scalars`` after the tensor arguments, the constexprs and
+    options (``meta``), the compiled kernels it resolved to (``bound``), and what else the op needs (``info``).
+
+    ``grid`` None: nothing to launch (an empty tensor)."""
+
+    __slots__ = ("grid", "scalars", "meta", "bound", "info")
+
+    def __init__(self, grid: tuple[int, ...] | None, scalars: Sequence[Any] = (), meta: dict | None = None,
+                 info: Any = None) -> None:
+        self.grid = None if grid is None else tuple(int(g) for g in grid)
+        self.scalars = tuple(scalars)
+        self.meta = dict(meta or {})
+        self.bound = Bound()
+        self.info = info
+
+
+class PlanCache(dict):
+    """The plans of one op by key (:func:`layout_key` of each tensor plus the op's flags); ``builds`` counts the
+    misses (a plan built). A dict, so a hit is one C lookup; cleared when full (keys are shapes: few per model)."""
+
+    def __init__(self, name: str, maxsize: int = 512) -> None:
+        super().__init__()
+        self.name, self.maxsize, self.builds = name, maxsize, 0
+
+    def add(self, key: Any, plan: Any) -> Any:
+        self.builds += 1
+        if len(self) >= self.maxsize:
+            self.clear()
+        self[key] = plan
+        return plan
+
+
+PLAN_CACHES: dict[str, PlanCache] = {}
+
+
+def plan_cache(name: str) -> PlanCache:
+    """The plan cache named ``name`` (one per op entry point; tests read ``builds`` and clear them)."""
+    return PLAN_CACHES.setdefault(name, PlanCache(name))
+
+
+def clear_plans() -> None:
+    """Forget every cached plan and bound kernel (after changing a module-level launch default by hand)."""
+    for cache in PLAN_CACHES.values():
+        cache.clear()
 
 
 def _fix_interpreter_scalar_index() -> None:
@@ -165,6 +252,8 @@ def route_of(kernel: Any) -> str:
     if is_interpreted(kernel):
         return capability.ROUTE_INTERPRETER
     cap = capability.detect()
+    if cap is _ROUTE_MEMO[0]:  # detect() returns one object per machine (or per override): decided once each
+        return _ROUTE_MEMO[1]
     route = cap.triton_route
     if route in (None, capability.ROUTE_INTERPRETER):
         raise RuntimeError(
@@ -172,7 +261,11 @@ def route_of(kernel: Any) -> str:
             f"({cap.describe()}: {cap.triton_unusable_reason() or 'no GPU'}); import fleet_ext.ops before Triton "
             "so that a machine without a GPU selects the interpreter"
         )
+    _ROUTE_MEMO[:] = [cap, route]
     return route
+
+
+_ROUTE_MEMO: list[Any] = [None, None]  # (the capability object, its GPU route)
 
 
 def _device_of(kernel: Any, args: Sequence[Any]) -> int | None:
@@ -215,16 +308,141 @@ def _routed(route: str, kernel: Any, args: Sequence[Any]) -> Iterator[list[Any]]
         raise ValueError(f"{_kernel_name(kernel)}: unknown Triton route {route!r}")
 
 
-def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
+class TritonRuntime:
+    """What a bound launch asks Triton for (``TRITON_RUNTIME``; tests replace it to fake a GPU): the active driver
+    (``get_current_device()``, ``get_current_stream(device)``, as ``JITFunction.run`` asks it) and the launch hooks."""
+
+    _triton: tuple[Any, Any] | None = None  # (triton.runtime.driver.driver, triton.knobs), imported on first use
+
+    def _modules(self) -> tuple[Any, Any]:
+        if self._triton is None:
+            from triton import knobs
+            from triton.runtime.driver import driver
+
+            TritonRuntime._triton = (driver, knobs)
+        return self._triton
+
+    def driver(self) -> Any:
+        return self._modules()[0].active
+
+    def hooks(self) -> tuple[Any, Any]:
+        """(enter, exit) launch hooks for the launcher: None for a hook chain with nothing in it (a profiler such as
+        Proton adds to them; empty, they would only cost two calls and a metadata dict per launch)."""
+        runtime = self._modules()[1].runtime
+        enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+        if _empty_hook(enter) and _empty_hook(leave):
+            return None, None
+        return enter, leave
+
+
+def _empty_hook(hook: Any) -> bool:
+    return hook is None or getattr(hook, "calls", None) == []
+
+
+TRITON_RUNTIME = TritonRuntime()
+
+
+class Bound:
+    """The compiled kernels one :class:`Plan` resolved to, by (device, mask of pointer arguments off 16 bytes).
+
+    The plan fixes every non-tensor argument and every constexpr and option, and the tensors' dtypes (its key),
+    so Triton's specialisation of a launch can differ only in the pointers' 16-byte alignment (``*fp32`` with or
+    without ``D``) and the device. ``misses`` counts the launches that went through ``kernel[grid]``. What a
+    repeat launch does not redo from ``JITFunction.run``: its pre-run hooks (none on these kernels), its check that
+    the kernel's global variables kept their compile-time values, and a re-read of the debug knobs.
+    """
+
+    __slots__ = ("tail", "slots", "compiled", "misses")
+
+    def __init__(self) -> None:
+        self.tail: tuple | None = None  # the constexprs after the positional arguments, in parameter order
+        self.slots: tuple[int, ...] = ()  # positions of the pointer (tensor) arguments
+        self.compiled: dict[tuple[int, int], Any] = {}
+        self.misses = 0
+
+    def launch(self, kernel: Any, grid: Sequence[int], args: Sequence[Any], meta: dict) -> None:
+        if self.tail is None:
+            self.tail, self.slots = _layout(kernel, args, meta)
+        if self.tail is False:  # not a kernel this knows how to bind
+            self.misses += 1
+            kernel[grid](*args, **meta)
+            return
+        runtime = TRITON_RUNTIME
+        driver = runtime.driver()
+        device = driver.get_current_device()
+        align = 0
+        for i in self.slots:
+            if args[i].data_ptr() & 15:
+                align |= 1 << i
+        entry = self.compiled.get((device, align))
+        if not entry:  # the first launch here (Triton compiles), or a compiled kernel without a launcher
+            self.misses += 1
+            compiled = kernel[grid](*args, **meta)
+            if entry is None:
+                self.compiled[(device, align)] = _entry(compiled)
+            return
+        run, function, packed, compiled = entry
+        stream = driver.get_current_stream(device)
+        full = (*args, *self.tail)
+        enter, leave = runtime.hooks()
+        metadata = None if enter is None and leave is None else compiled.launch_metadata(grid, stream, *full)
+        n = len(grid)
+        run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, function, packed, metadata, enter,
+            leave, *full)
+
+
+def _layout(kernel: Any, args: Sequence[Any], meta: dict) -> tuple[Any, tuple[int, ...]]:
+    """(the constexpr values after ``args`` in parameter order, the pointer positions), or (False, ()) when
+    ``kernel`` is not a plain Triton ``JITFunction`` launched with positional arguments then keyword
+    constexprs (it is then always launched through ``kernel[grid]``)."""
+    params = getattr(kernel, "params", None)
+    if type(kernel).__name__ != "JITFunction" or params is None or len(args) > len(params):
+        return False, ()
+    if any(p.name in meta for p in params[:len(args)]):
+        return False, ()
+    tail = []
+    for p in params[len(args):]:
+        if p.name in meta:
+            tail.append(meta[p.name])
+        elif p.has_default:
+            tail.append(p.default)
+        else:
+            return False, ()
+    return tuple(tail), tuple(i for i, a in enumerate(args) if hasattr(a, "data_ptr"))
+
+
+def _entry(compiled: Any) -> tuple | bool:
+    """(launcher, function handle, packed metadata, kernel) of a compiled kernel, or False if it lacks them."""
+    try:
+        entry = (compiled.run, compiled.function, compiled.packed_metadata, compiled)
+    except AttributeError:
+        return False
+    return entry if entry[1] is not None else False
+
+
+def _run(kernel: Any, grid: Sequence[int], args: Sequence[Any], meta: dict, bound: Bound | None) -> None:
+    if bound is not None and BOUND_LAUNCH:
+        bound.launch(kernel, grid, args, meta)
+    else:
+        kernel[grid](*args, **meta)
+
+
+def launch(kernel: Any, grid: tuple[int, ...], *args: Any, bound: Bound | None = None, **meta: Any) -> None:
     """Run ``kernel[grid](*args, **meta)`` on the route of this machine (see the module docstring); count it.
 
     Decided here, at launch and not at import (kernel modules import without Paddle or torch): an
-    interpreted kernel gets the interpreter's scalar-index fix first.
+    interpreted kernel gets the interpreter's scalar-index fix first. ``bound`` (a :class:`Plan`'s) lets a
+    compiled kernel be launched directly on a repeat call; the caller promises that every non-tensor argument,
+    the constexprs and the tensors' dtypes are the same at every launch with it.
     """
     route = route_of(kernel)
     if route == capability.ROUTE_INTERPRETER:
         _fix_interpreter_scalar_index()
-    with _routed(route, kernel, args) as adapted:
-        kernel[grid](*adapted, **meta)
+        kernel[grid](*[torch_view(a) if is_paddle(a) and _is_tensor(a) else a for a in args], **meta)
+    elif route == capability.ROUTE_TORCH:
+        _run(kernel, grid, args, meta, bound)
+    else:
+        with _routed(route, kernel, args) as adapted:
+            _run(kernel, grid, adapted, meta, bound)
     LAUNCH_COUNTS[_kernel_name(kernel)] += 1
     ROUTE_COUNTS[route] += 1

@@ -48,6 +48,8 @@ __all__ = [
     "DispatchLayout",
     "build_expert_groups",
     "exchange_counts",
+    "gather_counts",
+    "layout_of",
     "dispatch_rows",
     "combine_rows",
     "reduce_expert_gradients_",
@@ -158,8 +160,18 @@ class DispatchLayout:
 def exchange_counts(counts: list[int], topk: int, epg: ExpertParallelGroup) -> DispatchLayout:
     """Every member's per-expert row counts (one small all-gather; gloo: over the world, for the common pad)."""
     mine = paddle.to_tensor(np.asarray(counts, dtype=np.int64))
-    pieces = _world_gather(mine) if not epg.nccl else _group_gather(mine, epg)
-    table = np.stack([p.numpy() for p in pieces])  # [world or ep, E]
+    return layout_of(gather_counts(mine, epg).numpy(), topk, epg)
+
+
+def gather_counts(counts: paddle.Tensor, epg: ExpertParallelGroup) -> paddle.Tensor:
+    """[world (gloo) or ep (NCCL), E] int64 on the device: each rank's ``counts`` [E] (one small all-gather; read
+    it with the caller's other host values, then :func:`layout_of`)."""
+    pieces = _world_gather(counts) if not epg.nccl else _group_gather(counts, epg)
+    return paddle.stack(pieces)
+
+
+def layout_of(table: np.ndarray, topk: int, epg: ExpertParallelGroup) -> DispatchLayout:
+    """The dispatch layout from :func:`gather_counts`' table, on the host."""
     ep = epg.size
     pad = max(int(table.reshape(table.shape[0], ep, -1).sum(axis=2).max()), 1)
     token_pad = max(int(table.sum(axis=1).max()) // topk, 1)

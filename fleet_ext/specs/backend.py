@@ -16,8 +16,18 @@ from dataclasses import dataclass
 
 from fleet_ext import capability
 from fleet_ext.config import FleetExtConfig
-from fleet_ext.framework.contracts import AttentionOps, MoEOps
-from fleet_ext.registry import BACKEND_GUARANTEE, CLAIMS_LEGEND, FUSIONS, PLATFORMS, check_capability
+from fleet_ext.framework.contracts import AttentionOps, MHCOps, MoEOps
+from fleet_ext.layers.mqa_latent_attention import dense_causal_through_table
+from fleet_ext.registry import (
+    BACKEND_GUARANTEE,
+    CLAIMS_LEGEND,
+    DERIVED_FUSIONS,
+    FUSION_MODES,
+    FUSIONS,
+    MODE_KEYS,
+    PLATFORMS,
+    check_capability,
+)
 
 
 @dataclass(frozen=True)
@@ -42,20 +52,27 @@ class BackendProvider:
         q_norm = self._resolve("dsv4_q_rms_norm_fusion")
         remap = self._resolve("sparse_attn_global_kv_idx_remap_fusion")
         sparse = self._resolve("dsa_sink_grad_fusion")
-        inv_rope_postmix = self._resolve("fuse_inv_rope_into_vha_postmix")
-        self._rows.append(ResolvedSwitch("use_fused_mhc", False, "reference (pure Paddle)", "switch off (default)"))
+        inv_rope_postmix = self._resolve_mode("inv_rope_postmix_mode", self._resolve("fuse_inv_rope_into_vha_postmix"))
+        mhc_pre = self._resolve("use_fused_mhc")  # its module's `mhc_head` and `mhc_combine` come with it
+        mhc = importlib.import_module(mhc_pre.__module__)
+        self.mhc_ops = MHCOps(pre=mhc_pre, head=mhc.mhc_head, combine=mhc.mhc_combine)
         permute = self._resolve("moe_permute_fusion")  # its module's `unpermute` is the inverse, resolved with it
         router = self._resolve("moe_router_fusion")  # off: the routers' own maths (the reference's op sequence)
+        experts = self._resolve("moe_expert_fusion")  # off: the experts layer's own grouped MLP (the reference)
         self.moe_ops = MoEOps(permute=permute, unpermute=importlib.import_module(permute.__module__).unpermute,
-                              router=router if config.fusion.moe_router_fusion else None)
-        self._rows.append(ResolvedSwitch("moe_expert_fusion", False, "reference (pure Paddle)", "switch off (default)"))
+                              router=router if config.fusion.moe_router_fusion else None,
+                              experts=experts if config.fusion.moe_expert_fusion else None)
         reference_sparse = functools.partial(sparse, remap=remap)
         self.attention_ops = AttentionOps(
             rope=rope,
             q_rms_norm=q_norm,
             sparse_attn=self._sparse_backend("csa_sparse_attn_backend", reference_sparse, remap),
             inv_rope_postmix=functools.partial(inv_rope_postmix, rope=rope),
-            mqa_sparse_attn=self._sparse_backend("mqa_sparse_attn_backend", reference_sparse, remap),
+            mqa_sparse_attn=self._sparse_backend(
+                "mqa_sparse_attn_backend", dense_causal_through_table(reference_sparse), remap),
+            mqa_causal_probs=self._causal_probs(),
+            q_norm_rope=self._derived("q_norm_rope", q_rms_norm=q_norm, rope=rope),
+            kv_norm_rope=self._derived("kv_norm_rope", rope=rope),
         )
         uses_triton = "triton" in (config.fusion.csa_sparse_attn_backend, config.fusion.mqa_sparse_attn_backend)
         backward = "deterministic Triton backward" if uses_triton else "unused (unfused backends: autograd)"
@@ -74,11 +91,57 @@ class BackendProvider:
         self._rows.append(ResolvedSwitch(switch, "triton", where, f"switch on; {BACKEND_GUARANTEE}"))
         return functools.partial(sparse_attention_triton, remap=remap)
 
+    def _causal_probs(self) -> Callable:
+        """The -2 warm-up KL's target: the Triton kernel (no [b, s, h, n] logits) or the Paddle reference."""
+        if self.config.fusion.mqa_sparse_attn_backend == "unfused":
+            from fleet_ext.ops.sparse_attn.reference import causal_attention_probs
+
+            return causal_attention_probs
+        from fleet_ext.ops.sparse_attn.function import causal_probs_triton
+
+        return causal_probs_triton
+
+    def _derived(self, slot: str, **ops: Callable) -> Callable:
+        """A slot filled by a fusion of other switches' ops (``DERIVED_FUSIONS``): the fused kernel when every switch
+        it needs is on, else the reference composition of the ops those switches resolved to."""
+        fusion = DERIVED_FUSIONS[slot]
+        needs = " and ".join(f"`{s}`" for s in fusion.requires)
+        on = [getattr(self.config.fusion, s) for s in fusion.requires]
+        if not all(on):
+            backend = "reference (pure Paddle)" if not any(on) else "the separate ops, as resolved above"
+            self._rows.append(ResolvedSwitch(slot, False, backend, f"used only when {needs} are on"))
+            return functools.partial(fusion.load("reference"), **ops)
+        if fusion.gpu_withheld and not self.capability.interpreter:
+            self._rows.append(ResolvedSwitch(slot, False, "the separate ops, as resolved above", fusion.gpu_withheld))
+            return functools.partial(fusion.load("reference"), **ops)
+        where = self._triton_target()
+        here = PLATFORMS["cpu_fp32" if self.capability.interpreter else "paddle_gpu"][0]
+        reason = f"{needs} are on: one kernel instead of the two ops; {fusion.guarantee()}; here: {here}"
+        self._rows.append(ResolvedSwitch(slot, True, where, reason))
+        return fusion.load("fused")
+
     def _triton_target(self) -> str:
         """Prepare Triton (``check_capability`` has vouched that it runs here) and say where the kernels run."""
         cap = self.capability
         capability.prepare_triton(interpreter=cap.interpreter)
         return "Triton interpreter (CPU, slow)" if cap.interpreter else f"Triton sm{cap.sm[0]}{cap.sm[1]}"
+
+    def _resolve_mode(self, key: str, resolved: Callable) -> Callable:
+        """A mode key picks among implementations of its switch; its default keeps ``resolved`` (the switch's)."""
+        switch, default = MODE_KEYS[key]
+        value = getattr(self.config.fusion, key)
+        if value == default:
+            if getattr(self.config.fusion, switch):
+                row = ResolvedSwitch(key, value, f"`{switch}` as registered",
+                                     f"default mode; claims: the `{switch}` row")
+            else:
+                row = ResolvedSwitch(key, value, "reference (pure Paddle)", f"default mode; `{switch}` off")
+            self._rows.append(row)
+            return resolved
+        mode = FUSION_MODES[(key, value)]  # config_errors vouched that the switch is on
+        reason = f"replaces the bitwise path of the `{switch}` row: {mode.guarantee()}"
+        self._rows.append(ResolvedSwitch(key, value, self._triton_target(), reason))
+        return mode.load()
 
     def _resolve(self, switch: str) -> Callable:
         fusion = FUSIONS[switch]

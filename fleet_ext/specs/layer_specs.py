@@ -41,6 +41,6 @@ def decoder_layer_spec(config: FleetExtConfig, layer_number: int, backend: Backe
     )
     return LayerSpec(
         TransformerLayer,
-        params={"layer_number": layer_number, "recompute_modules": recompute},
+        params={"layer_number": layer_number, "recompute_modules": recompute, "mhc_ops": backend.mhc_ops},
         sublayers={"self_attention": attention, "mlp": mlp_spec(config, layer_number, recompute, backend.moe_ops)},
     )

@@ -7,9 +7,10 @@ import inspect
 import paddle
 
 from fleet_ext.config import FleetExtConfig
+from fleet_ext.framework.contracts import MHCOps
 from fleet_ext.framework.layer import FleetLayer
 from fleet_ext.framework.spec import LayerSpec, build_layer
-from fleet_ext.layers.mhc import HyperConnection, hyper_combine
+from fleet_ext.layers.mhc import REFERENCE_OPS, HyperConnection
 from fleet_ext.layers.norm import RMSNorm
 from fleet_ext.parallel.layout import SequenceLayout
 from fleet_ext.parallel.recompute import maybe_checkpointed
@@ -27,6 +28,7 @@ class TransformerLayer(FleetLayer):
         layer_number: int,
         sublayers: dict[str, LayerSpec],
         recompute_modules: frozenset[str] = frozenset(),
+        mhc_ops: MHCOps | None = None,
     ) -> None:
         super().__init__()
         m = config.model
@@ -43,8 +45,9 @@ class TransformerLayer(FleetLayer):
         self.mlp_routes_tokens = "input_ids" in inspect.signature(self.mlp.forward).parameters  # MoE: also the layout
         self.attention_takes_ids = "input_ids" in inspect.signature(self.self_attention.forward).parameters
         if self.use_mhc:
-            self.mhc_attn = HyperConnection(m)
-            self.mhc_mlp = HyperConnection(m)
+            self.mhc_attn = HyperConnection(m, mhc_ops)
+            self.mhc_mlp = HyperConnection(m, mhc_ops)
+            self.hyper_combine = (mhc_ops or REFERENCE_OPS).combine  # use_fused_mhc: the kernel (backend provider)
 
     def _mlp(self, x: paddle.Tensor, input_ids: paddle.Tensor | None, layout: SequenceLayout | None) -> paddle.Tensor:
         return self.mlp(x, input_ids=input_ids, layout=layout) if self.mlp_routes_tokens else self.mlp(x)
@@ -73,7 +76,7 @@ class TransformerLayer(FleetLayer):
         attn_out = maybe_checkpointed(
             self.recompute_attention, self._attention, self.input_layernorm(collapsed), input_ids, layout
         )
-        hidden_states = maybe_checkpointed(self.recompute_mhc, hyper_combine, hidden_states, attn_out, post, comb)
+        hidden_states = maybe_checkpointed(self.recompute_mhc, self.hyper_combine, hidden_states, attn_out, post, comb)
         post, comb, collapsed = maybe_checkpointed(self.recompute_mhc, self.mhc_mlp, hidden_states)
         mlp_out = self._mlp(self.pre_mlp_layernorm(collapsed), input_ids, layout)
-        return maybe_checkpointed(self.recompute_mhc, hyper_combine, hidden_states, mlp_out, post, comb)
+        return maybe_checkpointed(self.recompute_mhc, self.hyper_combine, hidden_states, mlp_out, post, comb)

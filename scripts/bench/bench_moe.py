@@ -1,6 +1,13 @@
-"""Time MoE routing and token movement on a GPU: eager torch, torch.compile, the fused Triton kernels, the roof.
+"""Time MoE routing, token movement, the grouped expert GEMMs and the whole layer on a GPU (issue 14).
 
-Run on the H200 (torch + Triton, no Paddle):  python scripts/bench/bench_moe.py [--out DIR] [--experts 256 32]
+Run on the H200 (torch + Triton, no Paddle):
+    python scripts/bench/bench_moe.py [--out DIR] [--experts 256 32] [--sections route experts layer]
+
+``route`` (this module) times the router and the permute / unpermute, as below; ``experts`` and ``layer``
+(``cases_moe_experts.py``) time the grouped expert GEMMs against ``torch.matmul`` / ``torch._grouped_mm`` / a dense
+GEMM (with a launch-setting sweep whose winners the rest uses) and the whole MoE layer (T = 8192 and 16384)
+against an eager and a ``_grouped_mm`` mirror; they write moe_experts.md (the RESULTS.md tables) and
+moe_experts.json. Route section:
 
 T = 8192 tokens, top-6, D = 4096, bf16 hidden states, fp32 routing, random routing. Per expert count:
 
@@ -29,6 +36,8 @@ import triton
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # repo root, for fleet_ext
+
+import cases_moe_experts  # noqa: E402
 
 from fleet_ext.ops.moe_permute import kernel as permute_kernel  # noqa: E402
 from fleet_ext.ops.moe_router import kernel as router_kernel  # noqa: E402
@@ -235,16 +244,44 @@ def diagnose(experts: int) -> None:
         print(f"diag {name}: {compiled_info(getattr(router_kernel, name))}")
 
 
+def experts_and_layer(args: argparse.Namespace, header: str) -> None:
+    """The grouped-GEMM and whole-layer tables (``cases_moe_experts``): JSON and markdown under ``--out``."""
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    gemm = [cases_moe_experts.gemm_rows(e, log) for e in args.experts] if "experts" in args.sections else []
+    layer = []
+    if "layer" in args.sections:
+        for tokens in args.layer_tokens:
+            for e in args.experts:
+                layer.append(cases_moe_experts.layer_rows(tokens, e, log))
+                torch.cuda.empty_cache()
+    with open(os.path.join(args.out, "moe_experts.json"), "w") as fh:
+        json.dump({"header": header, "gemm": gemm, "layer": layer,
+                   "tune": cases_moe_experts.ek.TUNE}, fh, indent=1, default=str)
+    table = cases_moe_experts.markdown(gemm, layer, header) if gemm else ""
+    with open(os.path.join(args.out, "moe_experts.md"), "w") as fh:
+        fh.write(table)
+    print("\n" + table)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--experts", nargs="*", type=int, default=[256, 32])
+    parser.add_argument("--sections", nargs="*", default=["route", "experts", "layer"],
+                        choices=["route", "experts", "layer"])
+    parser.add_argument("--layer-tokens", nargs="*", type=int, default=[8192, 16384])
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--diagnose", action="store_true", help="per-launch GPU times and launch-setting sweeps")
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
-    copy_gbs = copy_bandwidth_gbs()
     header = f"{props.name}, sm{props.major}{props.minor}, torch {torch.__version__}, triton {triton.__version__}"
+    if "experts" in args.sections or "layer" in args.sections:
+        experts_and_layer(args, header)
+    if "route" not in args.sections:
+        return
+    copy_gbs = copy_bandwidth_gbs()
     print(header, f"\ndevice copy: {copy_gbs:.0f} GB/s (read + write)", flush=True)
     rows = []
     for experts in args.experts:

@@ -3,6 +3,7 @@
 Run on the H200 (torch + Triton, no Paddle), from the repository root:
 
     python scripts/bench/bench_sparse_attn.py [--out DIR] [--shapes NAME ...] [--compare] [--baselines] [--variants]
+        [--dense [--dense-shapes NAME ...] [--dense-table] [--dense-variants]]
 
 Shapes (one sequence, B = 1; the kernels see the flat layout T = B * S):
 - ``v32_s{4096,16384}_h{64,128}``: DeepSeek-V3.2 DSA latent MQA, d_qk 576 / d_v 512, 2048 index slots per
@@ -27,6 +28,12 @@ dq, dkv, d_sink. Baselines: the unfused torch eager gather-softmax
 exactly afterwards (``out * sigmoid(lse - sink)``, ``lse' = logaddexp(lse, sink)``: flex has no
 value-less sink column). Anchors: FlashMLA sparse prefill 640 TFLOP/s fwd and TileLang ~600 fwd on H800;
 TileLang ~115 bwd (atomic, non-deterministic) on H200.
+
+``--dense``: the dense causal mode's rows (no index table; ``bench_sparse_attn_dense.py`` says what each
+holds): V3.2 latent shapes, dense fwd/bwd TFLOP/s over the causal pairs against the sparse forward of the same
+shape, peak memory against the full-causal-table path (``--dense-table``), torch SDPA with a causal mask
+(``--baselines``), launch-configuration variants (``--dense-variants``). ``--shapes`` with no name skips the
+sparse rows.
 
 Prints a short table last and writes ``bench_sparse_attn.json`` under --out (default $OUT or .).
 """
@@ -380,6 +387,13 @@ def main() -> None:
                         help="also time without the trailing bound, with the old backward defaults, and with bf16 "
                              "dkv contributions; check the bound changes no byte")
     parser.add_argument("--eager-max-seq", type=int, default=4096)
+    parser.add_argument("--dense", action="store_true", help="dense causal mode rows (bench_sparse_attn_dense.py)")
+    parser.add_argument("--dense-shapes", nargs="*", default=[
+        "v32_s4096_h128", "v32_s4096_h64", "v32_s16384_h128", "v32_s16384_h64"])
+    parser.add_argument("--dense-table", action="store_true",
+                        help="dense rows: also run the full-causal-table path once (time, peak memory)")
+    parser.add_argument("--dense-variants", action="store_true", help="dense rows: launch-configuration variants")
+    parser.add_argument("--sdpa-max-seq", type=int, default=4096)
     parser.add_argument("--flex-max-seq", type=int, default=4096)
     args = parser.parse_args()
 
@@ -391,16 +405,24 @@ def main() -> None:
     rows: list[dict] = []
     os.makedirs(args.out, exist_ok=True)
     command = "python scripts/bench/bench_sparse_attn.py " + " ".join(sys.argv[1:])
-    for name in args.shapes:
+    dense_rows: list[dict] = []
+    jobs = [("sparse", name) for name in args.shapes] + [("dense", name) for name in args.dense_shapes if args.dense]
+    for kind, name in jobs:
         try:
-            bench_shape(make_shape(name), args, rows)
+            if kind == "sparse":
+                bench_shape(make_shape(name), args, rows)
+            else:
+                from bench_sparse_attn_dense import bench_dense_shape
+
+                dense_rows.append(bench_dense_shape(name, args, v32_index))
         except Exception:  # keep going: the table says which shape failed
             traceback.print_exc()
-            rows.append({"shape": name, "error": traceback.format_exc(limit=2)[-300:]})
+            (rows if kind == "sparse" else dense_rows).append(
+                {"shape": name, "error": traceback.format_exc(limit=2)[-300:]})
             torch.cuda.empty_cache()
         with open(os.path.join(args.out, "bench_sparse_attn.json"), "w") as f:  # after each shape: a cut run keeps rows
             json.dump({"command": command, "device": header, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-                       "anchors": ANCHORS, "rows": rows}, f, indent=1, default=str)
+                       "anchors": ANCHORS, "rows": rows, "dense_rows": dense_rows}, f, indent=1, default=str)
 
     print("\nshape             K     valid  fwd ms  fwd TF/s  bwd ms   bwd TF/s  bitwise  eager fwd TF/s"
           "  flex fwd TF/s")
@@ -427,6 +449,10 @@ def main() -> None:
             print(f"{r['shape']:16s} {r['valid_frac']:5.3f} {r['executed_frac']:5.3f}  {cell('fwd_nobound')}  "
                   f"{cell('fwd')}  {cell('bwd_olddefaults_nobound')}  {cell('bwd_nobound')}  {cell('bwd')}  "
                   f"{cell('bwd_bf16part')}  {r['bound_us']:8.1f}  {r['bound_bitwise']}")
+    if dense_rows:
+        from bench_sparse_attn_dense import print_dense_table
+
+        print_dense_table(dense_rows)
     print(f"anchors (TFLOP/s): {ANCHORS}; goals: fwd >= 450, deterministic bwd >= 150 at the V3.2 shape")
 
 

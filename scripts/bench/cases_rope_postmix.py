@@ -17,6 +17,13 @@ sequence that mirrors the Paddle reference (``fleet_ext/ops/*/reference.py``); `
 - inverse RoPE + postmix backward: read O and dY, write dO (3 N), the floor of the op. Both paths also
   materialise the rotated tensor and d(rotated) and run torch's matmul backward on them; the fused one
   rebuilds the rotation with the kernel instead of keeping it from the forward.
+
+Each inverse RoPE + postmix row runs in both modes of ``inv_rope_postmix_mode``, side by side: ``bitwise`` (the
+rows above) and ``fast`` (``kernel_fast``: one pass forward, 2 N, and one pass backward, 3 N, with a
+deterministic split-K d_M). Each of those rows carries the issue's goal (``goal``: forward <= 1.15 x the bare
+GEMM; backward >= 5 x eager with a peak <= eager's), printed met or missed with the measured ratio.
+
+Run alone (only these cases, goals last): ``PYTHONPATH=. python3 scripts/bench/cases_rope_postmix.py``.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from helpers.torch_rope import eager_rope  # noqa: E402
 capability.prepare_triton()
 
 from fleet_ext.ops.inv_rope_postmix import kernel as postmix_kernel  # noqa: E402
+from fleet_ext.ops.inv_rope_postmix import kernel_fast as postmix_fast  # noqa: E402
 from fleet_ext.ops.rope import kernel as rope_kernel  # noqa: E402
 
 SEQ, HEADS, DIM, PE = 16384, 64, 512, 64
@@ -98,11 +106,26 @@ def _rope_cases(cos: torch.Tensor, sin: torch.Tensor, tables: int) -> list[dict]
     ]
 
 
+def forward_goal(row: dict) -> str:
+    """Issue 16 §1: the forward within 1.15 x the bare postmix GEMM measured in the same run."""
+    ratio = row["fused_us"] / row["bare_gemm_us"]
+    return f"{'met' if ratio <= 1.15 else 'missed'}: {ratio:.2f}x the bare GEMM (goal <= 1.15x)"
+
+
+def backward_goal(row: dict) -> str:
+    """Issue 16 §1: the backward >= 5 x eager, with a peak no higher than eager's."""
+    speedup, peak = row["eager_us"] / row["fused_us"], row["fused_peak_mib"] <= row["eager_peak_mib"]
+    met = speedup >= 5 and peak
+    return (f"{'met' if met else 'missed'}: {speedup:.2f}x eager (goal >= 5x), peak {row['fused_peak_mib']:.0f} vs "
+            f"eager {row['eager_peak_mib']:.0f} MiB (goal <=)")
+
+
 def _postmix_cases(cos: torch.Tensor, sin: torch.Tensor, tables: int) -> list[dict]:
-    """Inverse RoPE + VHA postmix, forward and backward."""
+    """Inverse RoPE + VHA postmix, forward and backward, in both modes."""
     out = torch.randn(1, SEQ, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
     u, v = 0.1 * torch.randn(HEADS, HEADS // 4, device="cuda"), 0.1 * torch.randn(HEADS, HEADS // 4, device="cuda")
-    mix = (torch.eye(HEADS, device="cuda") + v @ u.T).to(torch.bfloat16)  # M = I + V U^T, cast like the reference
+    mix32 = torch.eye(HEADS, device="cuda") + v @ u.T  # M = I + V U^T in fp32, what the layer hands the fast op
+    mix = mix32.to(torch.bfloat16)  # cast like the reference
     grad = torch.randn_like(out)
     n_out = _nbytes(out)
     o_shape = f"O [1,{SEQ},{HEADS},{DIM}] bf16, M [{HEADS},{HEADS}], pe {PE}"
@@ -122,23 +145,46 @@ def _postmix_cases(cos: torch.Tensor, sin: torch.Tensor, tables: int) -> list[di
         return rope_kernel.rope_grad(d_rotated, cos, sin, inverse=True), d_mix
 
     gemm_flops = 2 * SEQ * HEADS * HEADS * DIM
+    eager_forward = lambda: torch.matmul(mix, eager_rope(out, cos, sin, inverse=True))  # noqa: E731
+    bare_gemm = {"bare_gemm": lambda: torch.matmul(mix, out)}
     return [
         {
-            "name": "inv-rope + postmix fwd",
+            "name": "inv-rope + postmix fwd (bitwise)",
             "shape": o_shape + "; bytes: GEMM floor 2N (fused moves 2.75N)",
-            "eager": lambda: torch.matmul(mix, eager_rope(out, cos, sin, inverse=True)),
+            "eager": eager_forward,
             "fused": lambda: postmix_kernel.inv_rope_postmix_forward(out, cos, sin, mix, torch.matmul),
             "bytes_moved": 2 * n_out + tables,
             "flops": gemm_flops,
-            "extra": {"bare_gemm": lambda: torch.matmul(mix, out)},
+            "extra": bare_gemm,
+            "goal": forward_goal,
         },
         {
-            "name": "inv-rope + postmix bwd",
+            "name": "inv-rope + postmix fwd (fast)",
+            "shape": o_shape + "; bytes: 2N (one pass: read O, write Y)",
+            "eager": eager_forward,
+            "fused": lambda: postmix_fast.forward(out, cos, sin, mix32),
+            "bytes_moved": 2 * n_out + tables,
+            "flops": gemm_flops,
+            "extra": bare_gemm,
+            "goal": forward_goal,
+        },
+        {
+            "name": "inv-rope + postmix bwd (bitwise)",
             "shape": o_shape + "; bytes: floor 3N (read O, dY; write dO)",
             "eager": eager_backward,
             "fused": fused_backward,
             "bytes_moved": 3 * n_out + tables,
             "flops": 2 * gemm_flops,
+            "goal": backward_goal,
+        },
+        {
+            "name": "inv-rope + postmix bwd (fast)",
+            "shape": o_shape + "; bytes: floor 3N (one pass: read O, dY; write dO; + fp32 dM partials)",
+            "eager": eager_backward,
+            "fused": lambda: postmix_fast.backward(out, cos, sin, mix32, grad),
+            "bytes_moved": 3 * n_out + tables,
+            "flops": 2 * gemm_flops,
+            "goal": backward_goal,
         },
     ]
 
@@ -149,3 +195,15 @@ def cases() -> list[dict]:
     cos, sin = _tables(SEQ, PE // 2)
     tables = _nbytes(cos) + _nbytes(sin)
     return _rope_cases(cos, sin, tables) + _postmix_cases(cos, sin, tables)
+
+
+if __name__ == "__main__":
+    import bench_fusions  # scripts/bench is this file's directory, first on sys.path when run as a script
+
+    copy_gbs = bench_fusions.copy_bandwidth_gbs()
+    torch.manual_seed(0)
+    cos_, sin_ = _tables(SEQ, PE // 2)
+    for row in [bench_fusions.run_case(c, copy_gbs) for c in _postmix_cases(cos_, sin_, 2 * _nbytes(cos_))]:
+        extra = f", bare GEMM {row['bare_gemm_us']:.1f} us" if "bare_gemm_us" in row else ""
+        print(f"{row['name']:34} eager {row['eager_us']:8.1f} us  fused {row['fused_us']:8.1f} us{extra}  peak MiB "
+              f"{row['eager_peak_mib']:.0f} / {row['fused_peak_mib']:.0f}  -> {row['goal']}")

@@ -379,7 +379,11 @@ def experts(tr: Trace, sh: Shapes, x: T, indices: T, weights: T, recompute_act: 
         tr.save(tr.new("experts.token_of", pairs, I64), tr.new("experts.order", pairs, I64))
     x_sorted = tr.new("experts.x_sorted", pairs * sh.D, x.dtype)
     tr.save(x_sorted)
-    gate_up = tr.new("experts.gate_up", pairs * 2 * sh.ffn, x.dtype)
+    rows = pairs
+    if not sh.fusion.get("experts", False):  # the reference grouped MLP (ops/moe_experts/reference.py): each row's
+        tr.save(tr.new("experts.slots", pairs, I64))  # slot in the padded buffer; the SwiGLU's rows to a multiple of 8
+        rows = pairs if pairs * sh.ffn % 8 == 0 else -(-pairs // 8) * 8
+    gate_up = tr.new("experts.gate_up", rows * 2 * sh.ffn, x.dtype)
     h = tr.segment(recompute_act, lambda g: swiglu(tr, sh, g), gate_up)
     tr.save(h)
     w_sorted = tr.cast(weights if sh.fusion["permute"] else tr.new("experts.w_sorted", pairs, weights.dtype), F32)

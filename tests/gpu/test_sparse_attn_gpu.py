@@ -16,6 +16,10 @@ entries of tests/helpers/tolerances.py):
 Determinism: two backward runs on the same inputs must agree byte for byte (no floating-point atomics).
 Trailing bound: the default (``derive_bound=True``: each row stops at its last valid slot) and
 ``derive_bound=False`` (every slot up to ``K`` / ``topk_length``) must agree byte for byte, forward and backward.
+Dense causal mode (``causal.py``, no index table; ``-k dense``): the same entries against an fp32 dense causal
+reference (several sequences, a context-parallel query offset, query slices of the dkv pass), two backward runs
+byte-identical, keys past every query's position with exactly zero gradient, and the head-summed probabilities
+of the warm-up KL target within ``sparse_attn_probs`` (1e-2).
 """
 
 from __future__ import annotations
@@ -162,3 +166,86 @@ def test_bf16_partials():
     # the inputs of test_production_shapes[v32_h128] (same seed): its printed fp32-contribution errors compare 1:1
     q, kv, idx, sink, d_out, d_lse = make_case(4096, 128, 576, 512, 2048, 128)
     check(q, kv, idx, sink, 512, d_out, d_lse, partial_dtype="bfloat16")
+
+
+# ------------------------------------------------------------------------------------------------------
+# Dense causal mode (fleet_ext/ops/sparse_attn/causal.py): no index table, keys 0 .. position
+# ------------------------------------------------------------------------------------------------------
+def causal_reference(q, kv, sink, scale, d_v, d_out, d_lse, seq, q_offset, chunk=256):
+    """fp32 dense causal attention with sink over the flat layout (B = T / seq sequences, N = rows / B keys,
+    query i at position q_offset + i): out, lse, dq, dkv, d_sink of sum(out*d_out) + sum(lse*d_lse), and the
+    head-summed probabilities [T, N]; chunked over queries, autograd, TF32 off."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    batch = q.shape[0] // seq
+    n_keys = kv.shape[0] // batch
+    kv32 = kv.float().requires_grad_(True)
+    sink32 = sink.float().requires_grad_(True)
+    outs, lses, dqs, probs = [], [], [], []
+    for b in range(batch):
+        keys = kv32[b * n_keys:(b + 1) * n_keys]
+        for i0 in range(0, seq, chunk):
+            t0, c = b * seq + i0, min(chunk, seq - i0)
+            qc = q[t0:t0 + c].float().requires_grad_(True)
+            pos = q_offset + i0 + torch.arange(c, device=DEV)
+            seen = torch.arange(n_keys, device=DEV)[None, :] <= pos[:, None]  # [c, N]
+            logits = torch.einsum("thd,nd->thn", qc, keys) * scale
+            logits = logits.masked_fill(~seen[:, None, :], float("-inf"))
+            lse = torch.logsumexp(torch.cat([logits, sink32[None, :, None].expand(c, -1, 1)], -1), -1)
+            p = torch.exp(logits - lse[..., None])
+            out = torch.einsum("thn,nd->thd", p, keys[:, :d_v])
+            ((out * d_out[t0:t0 + c].float()).sum() + (lse * d_lse[t0:t0 + c]).sum()).backward()
+            outs.append(out.detach())
+            lses.append(lse.detach())
+            dqs.append(qc.grad)
+            probs.append(p.detach().sum(1))
+    return torch.cat(outs), torch.cat(lses), torch.cat(dqs), kv32.grad, sink32.grad, torch.cat(probs)
+
+
+def check_causal(batch, seq, heads, n_keys, q_offset, d_qk=576, d_v=512, dkv_splits=None, seed=0):
+    from fleet_ext.ops.sparse_attn import causal
+
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    q = torch.randn((batch * seq, heads, d_qk), device=DEV, generator=gen).to(torch.bfloat16)
+    kv = torch.randn((batch * n_keys, d_qk), device=DEV, generator=gen).to(torch.bfloat16)
+    sink = (torch.rand((heads,), device=DEV, generator=gen) * 3 - 1).float()
+    d_out = torch.randn((batch * seq, heads, d_v), device=DEV, generator=gen).to(torch.bfloat16)
+    d_lse = torch.randn((batch * seq, heads), device=DEV, generator=gen) * 0.1
+    scale = 1.0 / math.sqrt(d_qk)
+    out, lse = causal.causal_attn_fwd(q, kv, sink, scale, seq, q_offset, d_v=d_v)
+    kw = {"seq": seq, "q_offset": q_offset, "d_v": d_v, "dkv_splits": dkv_splits}
+    grads = causal.causal_attn_bwd(q, kv, sink, scale, out, lse, d_out, d_lse, **kw)
+    grads2 = causal.causal_attn_bwd(q, kv, sink, scale, out, lse, d_out, d_lse, **kw)
+    probs = causal.causal_probs(q, kv, lse, scale, seq, q_offset, d_v=d_v)
+    torch.cuda.synchronize()
+    for name, a, b in zip(("dq", "dkv", "d_sink"), grads, grads2):
+        assert_bitwise(a, b, f"dense causal {name} differs between two runs (not deterministic)")
+    del grads2
+    r_out, r_lse, r_dq, r_dkv, r_sink, r_probs = causal_reference(q, kv, sink, scale, d_v, d_out, d_lse, seq, q_offset)
+    errors = {"out": rel(out, r_out), "dq": rel(grads[0], r_dq), "dkv": rel(grads[1], r_dkv),
+              "d_sink": rel(grads[2], r_sink), "probs": rel(probs, r_probs),
+              "lse_abs": (lse - r_lse).abs().max().item()}
+    print(f"[dense causal B={batch} S={seq} H={heads} N={n_keys} offset={q_offset} splits={dkv_splits}] errors: "
+          + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()))
+    bound = {**TOL, "probs": tolerance("bf16", "sparse_attn_probs").rtol}
+    bad = {k: v for k, v in errors.items() if not v <= bound[k]}
+    assert not bad, f"errors over tolerance {bad} (all: {errors})"
+    unseen = torch.cat([torch.arange(b * n_keys + q_offset + seq, (b + 1) * n_keys) for b in range(batch)])
+    assert not grads[1][unseen.to(DEV)].any(), "keys past every query's position must get zero gradient"
+
+
+@pytest.mark.parametrize(
+    "batch, seq, heads, n_keys, q_offset, dkv_splits",
+    [
+        (1, 4096, 128, 4096, 0, None),  # V3.2 latent MQA (576 / 512), h = 128
+        (1, 4096, 64, 4096, 0, None),  # h = 64
+        (1, 1024, 64, 4096, 3072, None),  # context parallelism: the last of 4 ranks, all-gathered keys
+        (2, 300, 20, 300, 0, 3),  # two sequences, odd length, 20 heads (masked in a 64-row tile), 3 slices
+    ],
+    ids=["v32_h128", "v32_h64", "v32_cp4_last_rank", "edges_b2_odd_h20_slices"],
+)
+def test_dense_causal(batch, seq, heads, n_keys, q_offset, dkv_splits):
+    check_causal(batch, seq, heads, n_keys, q_offset, dkv_splits=dkv_splits)
+
+
+def test_dense_causal_k_eq_v():
+    check_causal(1, 1024, 64, 1024, 0, d_qk=512, d_v=512, dkv_splits=1, seed=2)

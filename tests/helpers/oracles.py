@@ -485,6 +485,39 @@ def vha_postmix(o, u, v, groups: int = 1) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------------------------------
+# Grouped clamped-SwiGLU experts over expert-sorted rows (DSv4 routed experts, one segment per expert).
+# --------------------------------------------------------------------------------------------------
+def grouped_swiglu_experts(rows, counts, w1, w2, limit: float, d_out=None):
+    """out[r] = (silu(min(g, L)) * clip(u, -L, L)) @ w2[e] with [g | u] = rows[r] @ w1[e], for the ``counts[e]``
+    consecutive rows of expert e (L = 0: no clamp); rows past sum(counts) give 0. With ``d_out``: also
+    (d_rows, d_w1, d_w2) by hand-derived chain rule (the clamps pass the gradient at their bounds)."""
+    x, w1, w2 = f64(rows), f64(w1), f64(w2)
+    half = w2.shape[1]
+    out, d_x, d_w1, d_w2 = np.zeros((x.shape[0], w2.shape[2])), np.zeros_like(x), np.zeros_like(w1), np.zeros_like(w2)
+    start = 0
+    for e, n in enumerate(int(c) for c in np.asarray(counts).reshape(-1)):
+        seg = slice(start, start + n)
+        start += n
+        gate_up = x[seg] @ w1[e]
+        g, u = gate_up[:, :half], gate_up[:, half:]
+        gc, uc = (np.minimum(g, limit), np.clip(u, -limit, limit)) if limit > 0 else (g, u)
+        sig = 1.0 / (1.0 + np.exp(-gc))
+        h = gc * sig * uc
+        out[seg] = h @ w2[e]
+        if d_out is None:
+            continue
+        dy = f64(d_out)[seg]
+        d_h = dy @ w2[e].T
+        d_g = d_h * uc * sig * (1.0 + gc * (1.0 - sig))
+        d_u = d_h * gc * sig
+        if limit > 0:
+            d_g, d_u = d_g * (g <= limit), d_u * (np.abs(u) <= limit)
+        d_gu = np.concatenate([d_g, d_u], axis=1)
+        d_x[seg], d_w1[e], d_w2[e] = d_gu @ w1[e].T, x[seg].T @ d_gu, h.T @ dy
+    return out if d_out is None else (out, d_x, d_w1, d_w2)
+
+
+# --------------------------------------------------------------------------------------------------
 # Finite differences.
 # --------------------------------------------------------------------------------------------------
 def central_fd(loss_fn, param: np.ndarray, coords, step: float = 1e-6) -> np.ndarray:

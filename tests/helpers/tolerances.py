@@ -52,6 +52,19 @@ FP32: dict[str, Tol] = {
     "oracle_swiglu_large": Tol(rtol=1e-5, atol=1e-3),
     # Grouped experts / the MoE layer on inputs of scale 4 (clamp active): |out| ~ 1e1..1e2, floor 1e-4.
     "oracle_experts": Tol(rtol=1e-5, atol=1e-4),
+    # Fused grouped experts (moe_expert_fusion) vs float64, each tensor relative to its largest entry: blocked fp32
+    # GEMM sums (K <= 64 on the CPU, <= 256 in tests/gpu with IEEE fp32 dots) around the SwiGLU in fp32: measured
+    # <= 5e-7 on the CPU interpreter; 1e-5. A row in the wrong segment or a clamp off by 1 % misses by >= 1e-3.
+    "grouped_experts": Tol(of_scale=1e-5),
+    # The tiny model (4 MoE layers, mHC) with moe_expert_fusion on vs off, per tensor, relative Frobenius norm: the
+    # experts' fp32 reordering (~1e-7) reaches every gradient; measured <= 1.6e-6, the mHC mixing base / scale
+    # gradients (small cancelling sums) up to 5.0e-6; 5e-5. A wrong kernel is O(1).
+    "grouped_experts_model": Tol(rtol=5e-5, norm=True),
+    # The reference grouped experts (padded batched GEMMs) vs the per-expert loop they replaced, on segments whose
+    # length the loop's CPU GEMM / silu handle with leftover rows (test_moe_grouped_experts.py): the same products
+    # summed in another order in those rows only, relative to each tensor's largest entry: measured <= 2.3e-7
+    # (3 shapes x 3 seeds); 1e-5. A row given to the wrong expert misses by O(1).
+    "grouped_vs_loop": Tol(of_scale=1e-5),
     # Aux-loss-free bias update from a zero bias: fp32(+-gamma) vs float64 gamma, half an ulp (6e-8 rel).
     "bias_step": Tol(rtol=1e-5),
     # The same update on an N(0, 1) bias: fp32(start + gamma) - start loses up to half an ulp of |start| <= ~3
@@ -81,12 +94,25 @@ FP32: dict[str, Tol] = {
     # The same backend in scripts/gpu_smoke.py's model (yaml init, 4 layers, mHC), per tensor, relative Frobenius
     # norm: the core's reordering error (~1e-7) reaches every gradient; small cancelling sums (the mHC head's and
     # the layers' mixing base / scale / fn, 4..1024 entries) measured up to 8e-5 (seq 16-40, batch 1-2, 4 seeds);
-    # 1e-3. A wrong kernel is O(1).
+    # 1e-3. A wrong kernel is O(1). The smoke also holds use_fused_mhc to it (one CPU entry per variant; mHC's own
+    # model bound, "mhc_fused_model", is 1e-4).
     "model_triton_sparse_attn": Tol(rtol=1e-3, norm=True),
     # The sink gradient (fixed blocked summation order vs float64), relative to the sum of the magnitudes of
     # every term (the natural bound of a float sum with cancellation): measured <= 5.4e-8 (CPU), ~1e-7 (GPU,
     # bf16 or fp32 dO / O: the products are exact in fp32, the sums fp32); a missing or extra term is O(1).
     "sink_grad": Tol(of_scale=1e-5),
+    # The fast inverse-RoPE + postmix mode (one-pass Triton kernels) vs the reference and vs float64, relative to
+    # the sum of the magnitudes of each result's terms (the scale the tests pass): the same fp32 products summed
+    # in Triton's order (K = h for y and d_out, K = tokens x d for d_mix, split-K partials): measured <= 2.3e-7 of
+    # that sum vs the reference and <= 3.2e-7 vs float64 (CPU interpreter, 8 shapes; the reference itself is
+    # 2.3e-7 off float64); 1e-5. A wrong rotation direction misses by >= 0.7, a token left out of d_mix by 5e-2.
+    "inv_rope_postmix_fast": Tol(of_scale=1e-5),
+    # The tiny model with that mode on vs the bitwise path, per tensor, relative Frobenius norm: the postmix's
+    # reordering (~2e-7) carried through 4 layers, MoE routing and the loss: measured <= 2.4e-6 for every tensor
+    # but the mHC gains; 1e-5. The gains (``mhc_*.scale``, ``mhc_head.scale``) are small differences of large
+    # sums over tokens, streams and mixing entries (see cp_param_grad_mhc_gain): measured 4.9e-6; 1e-4.
+    "model_inv_rope_postmix_fast": Tol(rtol=1e-5, norm=True),
+    "model_inv_rope_postmix_fast_mhc_gain": Tol(rtol=1e-4, norm=True),
     # ---- fp32 gradients against central differences of a float64 oracle -----------------------------------
     # Step 1e-6 (truncation ~1e-12, rounding ~1e-10) vs fp32 backward, accumulated rounding ~1e-6 relative.
     "fd_grad": Tol(rtol=1e-4, atol=1e-5),
@@ -102,6 +128,19 @@ FP32: dict[str, Tol] = {
     "mla_absorbed": Tol(of_scale=1e-5),
     # Parameter gradients of the same: reordered sums over the whole layer; 1e-4 of the largest entry.
     "mla_absorbed_param_grad": Tol(of_scale=1e-4),
+    # Fused mHC (use_fused_mhc) vs the Paddle reference, forward outputs and every gradient, relative to the
+    # tensor's largest entry: the kernels sum the projection (n*D terms), the collapse, the combine and the
+    # parameter gradients (over tokens) in other orders and apply the RMS factor after the projection; measured
+    # <= 1e-6 of the largest entry (test_fusion_mhc.py, 4 shapes x 3 seeds); 1e-5 (also the GPU's fp32 bound vs
+    # float64, tests/gpu/test_mhc_gpu.py: TF32x3 / bf16x3 products of fp32 accuracy). One Sinkhorn iteration short
+    # misses by 1e-3. The gains (`scale` [3] / [1]) are each one sum over tokens and mixing entries of products of
+    # both signs, so their value is a small difference of large sums: measured 9.4e-6 of itself; 1e-4.
+    "mhc_fused": Tol(of_scale=1e-5),
+    "mhc_fused_gain": Tol(of_scale=1e-4),
+    # The tiny model (4 layers, 4 streams, 2 x 40 tokens) with use_fused_mhc on vs off, per tensor, relative
+    # Frobenius norm: the ops' reordering (~1e-7) reaches every gradient; the mHC base / scale / fn gradients
+    # (small cancelling sums) measured up to 1e-5; 1e-4.
+    "mhc_fused_model": Tol(rtol=1e-4, norm=True),
     # A sparse phase whose table covers every key vs full causal: the same keys in another slot order.
     "attention_slot_order": Tol(atol=1e-6),
     # The indexer's gathered scores vs the full score matrix: the same products, gathered before the sum.
@@ -163,6 +202,13 @@ FP32: dict[str, Tol] = {
     "q_rms_norm_y": Tol(rtol=16 * FP32_ULP, atol=1e-30),
     "q_rms_norm_y_vs_eager": Tol(rtol=16 * FP32_ULP, atol=1e-30),
     "q_rms_norm_dx": Tol(of_scale=1e-5),
+    # The kv prologue's gain gradient (registry DERIVED_FUSIONS["kv_norm_rope"].tolerance): a fixed blocked fp32 sum
+    # over the rows (the GPU plan; tests/gpu and the GPU plan in the interpreter) vs float64, per column relative to
+    # the sum of |term| (``scale``): blocks of <= a few hundred rows each carry ~N ulps; 1e-5 holds it with room.
+    # The y / dx of the prologue vs float64: y as the q norm's (16 ulps of the row's largest, plus the rotation's
+    # two roundings); dx as the q norm's.
+    "kv_prologue_dw": Tol(of_scale=1e-5),
+    "qkv_prologue_y": Tol(of_scale=32 * FP32_ULP),
 }
 
 BF16: dict[str, Tol] = {
@@ -179,6 +225,17 @@ BF16: dict[str, Tol] = {
     "q_rms_norm_y": Tol(rtol=BF16_ULP),
     "q_rms_norm_y_vs_eager": Tol(rtol=BF16_ULP, atol=1e-30),
     "q_rms_norm_dx": Tol(of_scale=1e-2),
+    # The q/kv prologue's y vs a float64 oracle that rounds the norm's output to bf16 as the op does: the final
+    # rounding (half a bf16 ulp) plus, where the fp32 and float64 norms round a pair's intermediates differently, up
+    # to sqrt(2) bf16 ulps through the rotation; relative to the row's largest |y| (``scale``): 2 ulps.
+    "qkv_prologue_y": Tol(of_scale=2 * BF16_ULP),
+    # Fused grouped experts (tests/gpu/test_moe_experts_gpu.py), relative Frobenius norms: vs float64 of the same bf16
+    # operands, gate_up, h, d_gate_up and every result rounded to bf16 (2^-9 each), fp32 sums with cancellation in
+    # the input and weight gradients; vs the eager torch mirror (its own bf16 roundings, another order). Measured on
+    # the H200 at T = 8192 vs an fp32 reference: out 3.4e-3, d_rows / d_weight1 6.4e-3 (torch._grouped_mm: 3.7e-3 /
+    # 6.8e-3), so fused vs a mirror can differ by ~9e-3; 2e-2. A row in the wrong segment is O(1e-1).
+    "grouped_experts": Tol(rtol=2e-2, norm=True),
+    "grouped_experts_vs_eager": Tol(rtol=2e-2, norm=True),
     # Triton sparse attention, bf16, vs an fp32 torch reference (relative Frobenius norms): P is rounded to
     # bf16 before the PV product and out is stored in bf16 (2^-9 each): ~3e-3 norm-wise.
     "sparse_attn_out": Tol(rtol=1e-2, norm=True),
@@ -188,10 +245,35 @@ BF16: dict[str, Tol] = {
     "sparse_attn_grad": Tol(rtol=2e-2, norm=True),
     # d_sink: computed from the bf16 out and d_out (delta = rowsum(dO * O)).
     "sparse_attn_d_sink": Tol(rtol=1e-2, norm=True),
+    # Fused mHC with bf16 streams (tests/gpu/test_mhc_gpu.py) vs float64 from the same bf16 inputs, for the bf16
+    # outputs only (collapsed input, head, combine, streams' gradients): fp32 maths rounded once to bf16 (at most
+    # 2^-8 relative; one ulp, 2^-7, allowed) plus the fp32 entry's 1e-5 of the largest entry for the fp32 error
+    # underneath. The fp32 outputs of a bf16 run (post, comb, parameter gradients) are fp32 maths on bf16-exact
+    # inputs and use the fp32 entries unchanged. The eager torch sequence's post, comb and collapsed input are the
+    # same fp32 maths and are held to the same entries.
+    "mhc_fused": Tol(rtol=BF16_ULP, of_scale=1e-5),
+    "mhc_fused_gain": Tol(of_scale=1e-4),
+    # Eager torch's combine with bf16 streams vs float64, per element, relative to the test's scale
+    # |e| + 2 |post f| + 3 sum_j |comb_jk x_j| (e the exact value): it rounds post and comb to bf16, the product
+    # post f, the GEMM (and, with torch's default reduced-precision reduction, possibly its sum once more) and the
+    # final sum, each at most u = 2^-8 relative; first order that is u times the scale; 2^-8 (1 + 2^-4).
+    "mhc_eager_combine": Tol(of_scale=BF16_ULP / 2 * (1 + 2**-4)),
+    # Dense causal mode: head-summed probabilities exp(s - lse) of the warm-up KL target, fp32 from exact bf16
+    # products; the lse's error (sparse_attn_lse, 2e-3) becomes a relative error of each term: 1e-2 norm-wise.
+    "sparse_attn_probs": Tol(rtol=1e-2, norm=True),
+    # The fast inverse-RoPE + postmix mode vs a float64 oracle fed the operands the reference rounds to bf16
+    # (M and the rotated O; dY is bf16 already): the one rounding of the result (half a bf16 ulp, 2^-8 relative)
+    # plus the fp32 sums' order, relative to the sum of the magnitudes of the terms as in fp32.
+    "inv_rope_postmix_fast": Tol(rtol=BF16_ULP / 2, of_scale=1e-5),
 }
 
 FP16: dict[str, Tol] = {
-    "exact": EXACT,  # no fp16 comparison exists yet; add entries (with their reasons) with the first one
+    "exact": EXACT,
+    # The fast inverse-RoPE + postmix kernels' low-precision path (the bf16 one, run in fp16 in the CPU interpreter,
+    # whose bf16 dot is not usable) vs a float64 oracle fed the reference's fp16 operands: half an fp16 ulp
+    # (2^-11 relative) for the one rounding of the result, plus the fp32 sums' order (measured <= 6e-8 of the sum
+    # of the terms' magnitudes); as bf16.
+    "inv_rope_postmix_fast": Tol(rtol=2.0**-11, of_scale=1e-5),
 }
 
 FLOAT64: dict[str, Tol] = {

@@ -62,6 +62,7 @@ CASES = {
     "mla_sparse": {**MLA, **DSA, "dsa_indexer_use_sparse_loss": True},
     "mla_sparse_fused": {**MLA, **FUSED, **DSA, "dsa_indexer_use_sparse_loss": True},
     "mla_sparse_triton": {**MLA, **TRITON, **DSA, "dsa_indexer_use_sparse_loss": True},
+    "mla_warmup_triton": {**MLA, **TRITON, **DSA, "dsa_indexer_use_sparse_loss": False},  # dense causal kernels
     "mla_sparse_dualchunk": DUAL,  # the top-k work rebalanced; the KL's student scores stay local
     "mla_sparse_dualchunk_no_kl": {**DUAL, "dsa_indexer_loss_coeff": 0.0},  # the no-gradient `select` path
     "planted_offset_bug": DSV4,
@@ -243,7 +244,7 @@ def test_parameter_gradients_match_one_process(cp2, case):
         assert err <= bound, f"{case}: {name} gradient differs by {err:.3g} (Frobenius relative) > {bound} ({entry})"
 
 
-@pytest.mark.parametrize("case", ["dsv4_kinds", "csa_kl", "mla_warmup", "mla_sparse"])
+@pytest.mark.parametrize("case", ["dsv4_kinds", "csa_kl", "mla_warmup", "mla_sparse", "mla_warmup_triton"])
 def test_auxiliary_losses_add_up_over_the_group(cp2, case):
     """The MoE sequence aux loss and the DSA indexer KL are means over the whole sequence: the ranks' shares sum
     to one process's value (the cases set both coefficients, so the values are not zero)."""
@@ -255,11 +256,14 @@ def test_auxiliary_losses_add_up_over_the_group(cp2, case):
 
 
 @pytest.mark.parametrize("case, kernels", [
+    # the q norm and RoPE switches together run the q/kv prologue kernels (the q norm's statistics launch stays)
     ("dsv4_fused", ["_rope_kernel", "_write_trailing_kernel", "_kv_idx_remap_kernel", "_sink_grad_partial_kernel",
-                    "_q_rms_norm_fwd_kernel", "_q_rms_norm_bwd_kernel"]),
+                    "_q_rms_norm_fwd_kernel", "_norm_rope_fwd_kernel", "_norm_rope_bwd_kernel"]),
     ("dsv4_triton", ["_sparse_attn_fwd_kernel", "_bwd_dq_kernel", "_kv_idx_remap_kernel"]),
     ("dsv4_moe_fused", ["_router_fwd", "_router_bwd", "_permute_fwd", "_unpermute_fwd", "_unpermute_bwd"]),
     ("mla_sparse_triton", ["_sparse_attn_fwd_kernel", "_bwd_dq_kernel"]),
+    ("mla_warmup_triton", ["_causal_fwd_kernel", "_causal_bwd_dq_kernel", "_causal_bwd_dkv_kernel",
+                           "_causal_probs_kernel"]),
 ])
 def test_fused_kernels_ran_under_context_parallelism(cp2, case, kernels):
     for rank, res in enumerate(cp2):

@@ -154,7 +154,8 @@ def test_paddlefleet_only_keys_raise_remove_it(key):
         ({"recompute_granularity": "full"}, r"`recompute_method` = None is invalid: allowed 'uniform' or 'block'"),
         ({"recompute_method": "uniform"}, r"`recompute_method`.*null while recompute_granularity is null"),
         ({"save_checkpoint_format": "pickle"}, r"`save_checkpoint_format` = 'pickle'.*flex_checkpoint"),
-        ({"use_fused_mhc": True}, r"`use_fused_mhc` = True can never run: this fused kernel is not supported yet"),
+        ({"use_fused_mhc": True, "enable_hyper_connections": False},
+         r"`use_fused_mhc` = True can never run: enable_hyper_connections is false"),
         ({"fuse_inv_rope_into_vha_postmix": True}, r"`fuse_inv_rope_into_vha_postmix`.*use_vha_attention is false"),
         ({"fuse_inv_rope_into_vha_postmix": True, "use_vha_attention": True, "vha_postmix_grouped": True},
          r"ungrouped postmix only"),
@@ -278,6 +279,10 @@ _RECOMPUTE_NEEDS = {  # the keys a recompute choice requires alongside it
     "uniform": {"recompute_granularity": "full", "recompute_num_layers": 1},
     "block": {"recompute_granularity": "full", "recompute_num_layers": 1},
 }
+_MODE_NEEDS = {  # a mode other than its key's default needs the switch it refines (and that switch's prerequisites)
+    ("inv_rope_postmix_mode", "fast"): {"use_vha_attention": True, "apply_rope_fusion": True,
+                                        "fuse_inv_rope_into_vha_postmix": True},
+}
 
 
 def test_every_offered_choice_loads():
@@ -289,6 +294,7 @@ def test_every_offered_choice_loads():
         for f in dataclasses.fields(cls):
             for choice in f.metadata.get("choices", ()):
                 needs = _RECOMPUTE_NEEDS.get(choice, {}) if f.name.startswith("recompute_") else {}
+                needs = {**needs, **_MODE_NEEDS.get((f.name, choice), {})}
                 loaded = load_config(base, **needs, **{f.name: choice})
                 assert getattr(loaded, _section(f.name)).__dict__[f.name] == choice
     assert cfg.SECTIONS["parallel"].__dataclass_fields__["cp_balance_mode"].metadata["choices"] == (

@@ -12,7 +12,7 @@ from helpers import DEFAULT_WIDTHS_2L
 from fleet_ext import capability
 from fleet_ext.capability import Capability
 from fleet_ext.config import load_config
-from fleet_ext.registry import FUSIONS, NO, PLATFORMS, UNTESTED, YES, Claim, Fusion, check_capability
+from fleet_ext.registry import DERIVED_FUSIONS, FUSIONS, NO, PLATFORMS, UNTESTED, YES, Claim, Fusion, check_capability
 from fleet_ext.specs.backend import BackendProvider
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,6 +51,20 @@ def test_supported_gpus_resolve_to_triton(sm):
     reason = rows["apply_rope_fusion"].reason
     assert "CP-safe: yes (CPU fp32); recompute-safe: yes (CPU fp32); here: Paddle GPU" in reason
     assert rows["dsv4_q_rms_norm_fusion"].backend == "reference (pure Paddle)"
+
+
+def test_a_derived_fusion_withheld_on_gpus_keeps_the_composition_there():
+    """kv_norm_rope failed its H200 test: a GPU gets the two separate ops (with the reason), the CPU the kernel."""
+    config = load_config(TINY, apply_rope_fusion=True, dsv4_q_rms_norm_fusion=True)
+    assert DERIVED_FUSIONS["kv_norm_rope"].gpu_withheld and not DERIVED_FUSIONS["q_norm_rope"].gpu_withheld
+    with capability.override(_cap(sm=(9, 0))):
+        rows = {r.switch: r for r in BackendProvider(config).resolved}
+    assert rows["kv_norm_rope"].value is False and rows["kv_norm_rope"].backend == "the separate ops, as resolved above"
+    assert "failed on the H200" in rows["kv_norm_rope"].reason
+    assert rows["q_norm_rope"].value is True and rows["q_norm_rope"].backend == "Triton sm90"
+    with capability.override(_cap(gpu=False)):
+        rows = {r.switch: r for r in BackendProvider(config).resolved}
+    assert rows["kv_norm_rope"].value is True and rows["kv_norm_rope"].backend == "Triton interpreter (CPU, slow)"
 
 
 def test_cpu_with_triton_and_torch_uses_the_interpreter():
@@ -122,7 +136,8 @@ def _claim_problems(name: str, claim: Claim) -> list[str]:
 
 
 def _all_claims():
-    return [(f"{f.switch} {name}", name, claim) for f in FUSIONS.values() for name, claim in f.claims()]
+    fusions = [*FUSIONS.values(), *DERIVED_FUSIONS.values()]  # the derived ones (no switch of their own) too
+    return [(f"{f.switch} {name}", name, claim) for f in fusions for name, claim in f.claims()]
 
 
 @pytest.mark.parametrize("label, name, claim", _all_claims(), ids=[c[0] for c in _all_claims()])
@@ -134,8 +149,6 @@ def test_every_claim_is_earned_by_tests_that_exist(label, name, claim):
 
 
 def test_claims_default_to_untested_and_the_check_catches_a_claim_without_its_test():
-    fusion = FUSIONS["use_fused_mhc"]  # not built: every claim is still the default
-    assert all(c == Claim() and c.verdict == UNTESTED for _, c in fusion.claims())
     bare = Fusion(switch="some_switch", summary="", fused="", reference="")  # a new entry claims nothing
     assert [c.verdict for _, c in bare.claims()] == [UNTESTED] * 5 and not bare.bitwise_equal
     with pytest.raises(ValueError, match="must name the test that earns it"):

@@ -152,6 +152,30 @@ def test_bad_inputs_raise_naming_the_tensor():
         function.unpermute(rows, paddle.zeros([4, 2]), ref_plan)
 
 
+def test_range_check_left_to_the_caller_reads_nothing_and_stays_in_bounds():
+    """``check_range=False`` (the MoE layer checks the ids in its one host read): no read here, ids outside the range
+    routed clipped (never out of bounds), and the layer raises naming ``indices`` with the fused permute on."""
+    from helpers.transfers import HostTransfers
+
+    from fleet_ext.framework.contracts import MoEOps
+    from fleet_ext.layers.moe import GroupedExperts
+
+    x, idx, _, _ = _data(37, 19, 8, 3, "random")
+    with HostTransfers() as transfers, expect_launches(*ROUTE, exactly=1):
+        rows, plan = function.permute(paddle.to_tensor(x), paddle.to_tensor(idx), 8, check_range=False)
+    assert not transfers.to_host, transfers.report()
+    want, want_plan = reference.permute(paddle.to_tensor(x), paddle.to_tensor(idx), 8, check_range=False)
+    assert_bitwise(rows, want, "rows")
+    assert_bitwise(plan.counts, want_plan.counts, "counts")
+    bad = idx.copy()
+    bad[3, 1], bad[5, 0] = 8, -2
+    function.permute(paddle.to_tensor(x), paddle.to_tensor(bad), 8, check_range=False)  # clipped: no crash
+    config = load_config(tiny_model(n_routed_experts=8, num_experts_per_tok=3, hidden_size=19))
+    layer = GroupedExperts(config, ops=MoEOps(permute=function.permute, unpermute=function.unpermute))
+    with pytest.raises(ValueError, match=r"GroupedExperts: `indices` must lie in \[0, 8\), got values in \[-2, 8\]"):
+        layer(paddle.to_tensor(x), paddle.to_tensor(bad), paddle.ones([37, 3]))
+
+
 # -- the layer and the model, switch off vs on -----------------------------------------------------------------
 def _layer_run(switches: dict, layer_number: int) -> dict[str, np.ndarray]:
     from fleet_ext.layers.moe import MoELayer

@@ -29,9 +29,10 @@ BITWISE_SWITCHES = {
     "sparse_attn_global_kv_idx_remap_fusion": True,
     "dsv4_q_rms_norm_fusion": True,
 }
-# Every kernel those switches launch (the inverse-RoPE + postmix op writes its trailing channels with its own).
+# Every kernel those switches launch (the inverse-RoPE + postmix op writes its trailing channels with its own; the q
+# norm and RoPE switches together run the q/kv prologue kernels, the q norm's statistics launch staying on the CPU).
 BITWISE_KERNELS = {"_rope_kernel", "_write_trailing_kernel", "_kv_idx_remap_kernel", "_q_rms_norm_fwd_kernel",
-                   "_q_rms_norm_bwd_kernel"}
+                   "_norm_rope_fwd_kernel", "_norm_rope_bwd_kernel"}
 SINK_GRAD_CHECK = ("--rtol", "1e-5")  # the sink-grad fusion's documented relative tolerance on the loss
 SINK_GRAD_RTOL = float(SINK_GRAD_CHECK[1])
 SHORT_RUN = ["--max_steps", "3", "--warmup_steps", "1", "--max_seq_len", "136", "--per_device_train_batch_size", "2",

@@ -9,9 +9,10 @@ CPU none of these reads stalls anything, on a GPU each would.
 
 The models cover every layer kind (window 0, CSA 4 with its lightning indexer and KL, HCA, full causal -1, and
 -2 layers under each ``hybrid_mla_attention`` core and phase), routed and hash MoE, mHC, VHA, MTP, recompute,
-and the fused Triton paths. The MoE layers are allowed one read each (the issue's limit: per-expert token counts
-for grouped compute); today's do more, owned by the MoE-kernels work (xfail-strict below, so it flips when that
-lands). Negative controls: a ``.numpy()`` planted in a layer's forward, or an ``.item()`` in the backward, fails.
+and the fused Triton paths. The MoE layers are allowed one read each (the issue's limit: the per-expert token counts
+for grouped compute, read together with the expert-id range check), recompute and the fused MoE ops included.
+Negative controls: a ``.numpy()`` planted in a layer's forward, an ``.item()`` in the backward, a value-shaped op,
+or a second read in a MoE layer fails.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ CONFIGS = {
     "selective_recompute": {**SPARSE_DSA, "recompute_granularity": "selective",
                             "recompute_modules": ["core_attn", "mhc", "moe", "moe_act"]},
 }
+MOE_FUSED = {**SPARSE_DSA, "moe_permute_fusion": True, "moe_router_fusion": True}
 FUSED = {**SPARSE_DSA, "apply_rope_fusion": True, "fuse_inv_rope_into_vha_postmix": True,
          "sparse_attn_global_kv_idx_remap_fusion": True, "dsv4_q_rms_norm_fusion": True,
          "csa_sparse_attn_backend": "triton", "mqa_sparse_attn_backend": "triton"}
@@ -105,10 +107,11 @@ def test_fused_paths_read_nothing_back_outside_moe():
     assert_no_host_reads_outside_moe(transfers, "fused")
 
 
-@pytest.mark.xfail(strict=True, reason="MoE grouped compute: owned by the MoE-kernels work")
-@pytest.mark.parametrize("name", ["every_kind_dsa_sparse_kl"])
+@pytest.mark.parametrize("name", ["every_kind_dsa_sparse_kl", "full_recompute", "selective_recompute", "moe_fused"])
 def test_moe_layers_read_the_host_at_most_once_each(name):
-    model = _model(CONFIGS[name])
+    """One read per MoE layer per step (the expert-id range and the rows per expert), also when recompute re-runs
+    the layer in the backward (the re-run replays the read) and with the fused router and permute."""
+    model = _model(MOE_FUSED if name == "moe_fused" else CONFIGS[name])
     _step(model, *_batch(0))
     assert_moe_reads_at_most_one_per_layer(_step(model, *_batch(1)), model, name)
 
@@ -165,6 +168,19 @@ def test_negative_control_item_planted_in_the_backward():
         loss.backward()
     with pytest.raises(AssertionError, match="item"):
         assert_no_host_reads_outside_moe(transfers, "planted .item() in the backward")
+
+
+def test_negative_control_second_read_planted_in_a_moe_layer(monkeypatch):
+    """A second read in each MoE layer (here the old ``bincount`` of the routed experts) breaks the per-layer limit."""
+    from fleet_ext.layers.moe import GroupedExperts
+
+    model = _model(CONFIGS["every_kind_dsa_sparse_kl"])
+    check = GroupedExperts._check  # called from GroupedExperts.forward: the read's site is layers/moe.py
+    monkeypatch.setattr(GroupedExperts, "_check",
+                        lambda self, x, idx, w: (paddle.bincount(idx.reshape([-1])), check(self, x, idx, w))[1])
+    _step(model, *_batch(0))
+    with pytest.raises(AssertionError, match="bincount"):
+        assert_moe_reads_at_most_one_per_layer(_step(model, *_batch(1)), model, "planted bincount")
 
 
 def test_negative_control_implicit_read_of_a_value_dependent_shape(monkeypatch):

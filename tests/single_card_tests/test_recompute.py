@@ -161,21 +161,29 @@ import sys
 sys.path[:0] = ["tests", "tests/single_card_tests"]
 import fleet_ext.layers.moe as moe
 import test_recompute as t
+policy = {**t.TINY_MODEL, **t.POLICIES["full_uniform"]}
+want = t._step(t.TINY, policy, perturb=t._shift_router_bias)  # replayed: the forward's computation
 moe.replayed = lambda owner, compute: (compute(), True)  # routing replay off
 try:
-    t._step(t.TINY, {**t.TINY_MODEL, **t.POLICIES["full_uniform"]}, perturb=t._shift_router_bias)
+    t._assert_same(t._step(t.TINY, policy, perturb=t._shift_router_bias), want, "without replay")
+    print("BACKWARD UNCHANGED")
+except AssertionError as exc:
+    print("BACKWARD DIFFERS:", str(exc).splitlines()[0])
 except Exception as exc:
-    print("BACKWARD FAILED:", str(exc).splitlines()[0])
+    print("BACKWARD FAILED:", " ".join(str(exc).split())[:2000])
 """
 
 
 def test_without_routing_replay_the_changed_router_breaks_the_backward():
     """Negative control: without replay the re-run routes by the changed bias, so the recomputed segment is no
-    longer the forward's computation: other experts get other token counts and the tensors the backward needs
-    no longer match what the forward saved (Paddle refuses the backward). Run in its own process: a backward
-    that fails inside recompute leaves Paddle's saved-tensor hooks registered for the rest of the process."""
+    longer the forward's computation: the tensors the backward needs no longer match what the forward saved (Paddle
+    refuses a changed shape; the grouped experts' slots point past the forward's expert capacity), or, where they
+    happen to fit, the gradients are not the replayed run's. Run in its own process: a backward that fails inside
+    recompute leaves Paddle's saved-tensor hooks registered for the rest of the process."""
     result = subprocess.run([sys.executable, "-c", NO_REPLAY], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert "BACKWARD FAILED:" in result.stdout and "saved by autograd" in result.stdout, result.stdout + result.stderr
+    refused = "BACKWARD FAILED:" in result.stdout and any(
+        why in result.stdout for why in ("saved by autograd", "index is out of bounds"))
+    assert refused or "BACKWARD DIFFERS:" in result.stdout, result.stdout + result.stderr
 
 
 def test_the_startup_table_shows_the_policy_per_layer():

@@ -37,7 +37,17 @@ from typing import Any
 import triton
 import triton.language as tl
 
-from fleet_ext.ops.launch import detached, dtype_name, empty_like, launch, shape_of, strides_of
+from fleet_ext.ops.launch import (
+    Plan,
+    detached,
+    dtype_name,
+    empty_like,
+    launch,
+    layout_key,
+    plan_cache,
+    shape_of,
+    strides_of,
+)
 
 INT32_LIMIT = 2**31  # largest valid flat id is B * seqlen_kv - 1, which must be <= 2**31 - 1
 INT64_LIMIT = 2**63
@@ -139,13 +149,21 @@ def flat_block(itemsize: int) -> int:
     return int(TUNE.get("flat_block_bytes", FLAT_BLOCK_BYTES)) // itemsize
 
 
-def local_to_global_flat(local_idx: Any, seqlen_kv: int) -> Any:
-    """``[B, S, K]`` local ids -> new contiguous ``[B*S, K]`` flat ids (``idx + b*seqlen_kv`` where idx >= 0)."""
+_PLANS = plan_cache("kv_idx_remap")
+
+
+def _tuning() -> tuple:
+    """The launch defaults a plan depends on (the benchmark's sweep changes them between calls)."""
+    return FLAT_BLOCK_BYTES, FLAT_NUM_WARPS, FLAT_STREAM, tuple(TUNE.items()) if TUNE else ()
+
+
+def _prepare(key: tuple, local_idx: Any, seqlen_kv: Any) -> Plan:
+    """Validate (same checks and messages) and plan one launch; ``info`` is the output shape [B*S, K]."""
     batch, seq, width, seqlen_kv = check_args(local_idx, seqlen_kv)
-    out = empty_like(local_idx, shape=[batch * seq, width])
     n_rows = batch * seq
+    info = [n_rows, width]
     if n_rows == 0 or width == 0:
-        return out
+        return _PLANS.add(key, Plan(None, info=info))
     itemsize = 4 if dtype_name(local_idx) == "int32" else 8
     s_b, s_s, s_k = strides_of(local_idx)
     n_flat, sk = n_rows * width, seq * width
@@ -159,13 +177,19 @@ def local_to_global_flat(local_idx: Any, seqlen_kv: int) -> Any:
         block_r, block_k = tile(width, itemsize)
         grid = (triton.cdiv(n_rows, block_r), triton.cdiv(width, block_k))
         warps = 8
-    launch(
-        _kv_idx_remap_kernel, grid,
-        detached(local_idx), out, seqlen_kv,
-        n_rows, seq, width, n_flat, sk,
-        s_b, s_s, s_k,
-        BLOCK_R=block_r, BLOCK_K=block_k,
-        FLAT=flat, BLOCK=block, ONE_BATCH=batch == 1, WIDE=n_flat + block >= 2**31,
-        STREAM=bool(TUNE.get("stream", FLAT_STREAM)), num_warps=warps,
-    )
+    meta = dict(BLOCK_R=block_r, BLOCK_K=block_k, FLAT=flat, BLOCK=block, ONE_BATCH=batch == 1,
+                WIDE=n_flat + block >= 2**31, STREAM=bool(TUNE.get("stream", FLAT_STREAM)), num_warps=warps)
+    return _PLANS.add(key, Plan(grid, (seqlen_kv, n_rows, seq, width, n_flat, sk, s_b, s_s, s_k), meta, info))
+
+
+def local_to_global_flat(local_idx: Any, seqlen_kv: int) -> Any:
+    """``[B, S, K]`` local ids -> new contiguous ``[B*S, K]`` flat ids (``idx + b*seqlen_kv`` where idx >= 0)."""
+    if type(seqlen_kv) is not int:  # anything else takes the checks (and is read as an int) first
+        seqlen_kv = check_args(local_idx, seqlen_kv)[3]
+    key = (layout_key(local_idx), seqlen_kv, _tuning())
+    plan = _PLANS.get(key) or _prepare(key, local_idx, seqlen_kv)
+    out = empty_like(local_idx, shape=plan.info)
+    if plan.grid is not None:
+        launch(_kv_idx_remap_kernel, plan.grid, detached(local_idx), out, *plan.scalars, bound=plan.bound,
+               **plan.meta)
     return out

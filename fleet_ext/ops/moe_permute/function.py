@@ -16,7 +16,7 @@ import paddle
 from paddle.autograd import PyLayer
 
 from fleet_ext import capability
-from fleet_ext.ops.moe_permute.reference import check_permute_args, check_unpermute_args
+from fleet_ext.ops.moe_permute.reference import check_permute_args, check_unpermute_args, read_expert_range
 
 capability.prepare_triton()  # interpreter mode on a CPU machine; must precede the kernel import
 
@@ -64,21 +64,23 @@ class _Unpermute(PyLayer):
         return d_y, d_w, None, None
 
 
-def _check_range(indices: paddle.Tensor, num_experts: int) -> None:
-    """Expert ids in [0, num_experts): a value outside would get no row (one host sync, as the layer's check)."""
-    lo, hi = (int(v) for v in paddle.stack([indices.min(), indices.max()]).astype("int64").tolist())
-    if lo < 0 or hi >= num_experts:
-        raise ValueError(f"moe_permute: `indices` must lie in [0, {num_experts}), got values in [{lo}, {hi}]")
+def permute(hidden_states: paddle.Tensor, indices: paddle.Tensor, num_experts: int, check_range: bool = True
+            ) -> tuple:
+    """``hidden_states`` [T, D], ``indices`` [T, k] -> (rows [T*k, D] grouped by expert, ``FusedPermutePlan``).
 
-
-def permute(hidden_states: paddle.Tensor, indices: paddle.Tensor, num_experts: int) -> tuple:
-    """``hidden_states`` [T, D], ``indices`` [T, k] -> (rows [T*k, D] grouped by expert, ``FusedPermutePlan``)."""
+    ``check_range``: raise a ValueError unless ``indices`` lie in [0, num_experts) (one host read); False when the
+    caller checks them itself (the MoE layer, in its one read per layer, before anything uses the result). The
+    kernels then route ids clipped into range, so an id outside it cannot make them read or write out of bounds.
+    """
     check_permute_args(hidden_states, indices, "moe_permute")
     kernel.check_route_args(hidden_states, indices, num_experts)
     if kernel.is_interpreted() and hidden_states.dtype != paddle.float32:
         raise ValueError(f"moe_permute: `hidden_states` must be float32 on CPU (the Triton interpreter's "
                          f"bf16/fp16 rounding is wrong; use a GPU), got {hidden_states.dtype}")
-    _check_range(indices, int(num_experts))
+    if check_range:
+        read_expert_range(indices, int(num_experts), "moe_permute")
+    else:
+        indices = paddle.clip(indices, 0, int(num_experts) - 1)  # the identity on valid ids
     with paddle.no_grad():
         rows, srcs, counts, offsets = kernel.route(_contiguous(indices), num_experts)
     out = _Permute.apply(_contiguous(hidden_states), rows)

@@ -7,6 +7,10 @@ rows back to their tokens with ``index_add``: a token's k contributions are summ
 expert, then slot), starting from zero, in the output dtype. Autograd gives the backward: the gather's
 gradient adds a token's row gradients in the same row order; the weights' gradient is the sum over the
 hidden dimension of ``d_out * y`` in fp32.
+
+Every plan carries ``counts`` [E] int64 (rows per expert, on the device) for the grouped expert compute, counted
+with static-shape device ops (``expert_counts``: a ``searchsorted`` of the sorted ids, no ``bincount``, whose
+output size a GPU would read back from the values).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ class PermutePlan(NamedTuple):
 
     order: paddle.Tensor  # [T*k] int64: flat (token, slot) index of each row
     token_of: paddle.Tensor  # [T*k] int64: token of each row
+    counts: paddle.Tensor  # [E] int64: rows per expert (ids outside [0, E) are in no expert)
     num_tokens: int
     dtype: paddle.dtype  # of the hidden states: the combined output's dtype
 
@@ -57,17 +62,44 @@ def check_unpermute_args(y: paddle.Tensor, weights: paddle.Tensor, num_tokens: i
         raise ValueError(f"{fn}: `weights` must be [{num_tokens}, {topk}] float, got {got}")
 
 
-def permute(hidden_states: paddle.Tensor, indices: paddle.Tensor, num_experts: int) -> tuple:
+def expert_counts(sorted_ids: paddle.Tensor, num_experts: int) -> paddle.Tensor:
+    """[E] int64 rows per expert of ascending expert ids ``sorted_ids`` [N] (ids outside [0, E) count nowhere).
+
+    ``searchsorted`` against 0..E gives each expert's first row: a static output shape, no host read, exact.
+    """
+    edges = paddle.searchsorted(sorted_ids, paddle.arange(int(num_experts) + 1, dtype=sorted_ids.dtype))
+    return edges[1:] - edges[:-1]
+
+
+def check_expert_range(low: int, high: int, num_experts: int, fn: str) -> None:
+    """Raise a ValueError naming ``indices`` unless the host values ``low``..``high`` lie in [0, num_experts)."""
+    if low < 0 or high >= num_experts:
+        raise ValueError(f"{fn}: `indices` must lie in [0, {num_experts}), got values in [{low}, {high}]")
+
+
+def read_expert_range(indices: paddle.Tensor, num_experts: int, fn: str) -> None:
+    """``check_expert_range`` of ``indices``' min and max (one device-to-host read)."""
+    low, high = (int(v) for v in paddle.stack([indices.min(), indices.max()]).astype("int64").tolist())
+    check_expert_range(low, high, num_experts, fn)
+
+
+def permute(hidden_states: paddle.Tensor, indices: paddle.Tensor, num_experts: int, check_range: bool = True
+            ) -> tuple:
     """``hidden_states`` [T, D], ``indices`` [T, k] -> (rows [T*k, D] grouped by expert, ``PermutePlan``).
 
-    ``num_experts`` is unused here (the sort needs no bound); the fused path sizes its tables with it.
+    ``check_range``: raise a ValueError unless ``indices`` lie in [0, num_experts) (one host read); False when the
+    caller checks them itself (the MoE layer folds the check into its one read per layer).
     """
     check_permute_args(hidden_states, indices, "moe_permute")
+    if check_range:
+        read_expert_range(indices, int(num_experts), "moe_permute")
     topk = indices.shape[-1]
-    order = paddle.argsort(indices.reshape([-1]), stable=True)
+    flat = indices.reshape([-1])
+    order = paddle.argsort(flat, stable=True)
     token_of = order // topk
     rows = paddle.gather(hidden_states, token_of, axis=0)
-    return rows, PermutePlan(order, token_of, hidden_states.shape[0], hidden_states.dtype)
+    counts = expert_counts(paddle.gather(flat, order).astype("int64"), num_experts)
+    return rows, PermutePlan(order, token_of, counts, hidden_states.shape[0], hidden_states.dtype)
 
 
 def unpermute(y: paddle.Tensor, weights: paddle.Tensor, plan: PermutePlan) -> paddle.Tensor:

@@ -69,7 +69,19 @@ from typing import Any
 
 import triton
 
-from fleet_ext.ops.launch import detached, dtype_name, empty_like, is_paddle, launch, shape_of, strides_of
+from fleet_ext.ops.launch import (
+    Plan,
+    detached,
+    dtype_name,
+    empty_like,
+    is_paddle,
+    launch,
+    layout_key,
+    plan_cache,
+    shape_of,
+    strides_of,
+)
+from fleet_ext.ops.q_rms_norm import kernel_order
 from fleet_ext.ops.q_rms_norm.kernel_bwd import _q_rms_norm_bwd_kernel
 from fleet_ext.ops.q_rms_norm.kernel_fwd import _q_rms_norm_fwd_kernel
 from fleet_ext.ops.q_rms_norm.kernel_order import (
@@ -159,58 +171,76 @@ def _config(d: int, order: Order, backward: bool = False, phase: int = PHASE_FUS
                 HALVING=order.halving, ONE_PASS=one_pass, STREAM=bool(TUNE.get("stream", STREAM)), num_warps=warps)
 
 
-def _fwd(q: Any, y: Any, stat: Any, phase: int, order: Order, eps: float) -> None:
+# Plans per (layouts, phase, order, eps, launch defaults): checks, the default order and the launch
+# configuration run once per key (``fleet_ext.ops.launch``: host cost); a repeat call allocates and launches.
+_FWD_PLANS = plan_cache("q_rms_norm")
+_BWD_PLANS = plan_cache("q_rms_norm (backward)")
+
+
+def _tuning() -> tuple:
+    """The module-level defaults a plan depends on (the benchmark's sweep and probe change them between calls)."""
+    return (FWD_ROWS, FWD_WARPS, BWD_ROWS, BWD_WARPS, STREAM, tuple(TUNE.items()) if TUNE else (), MAX_TILES,
+            kernel_order.TORCH_VEC_MIN_D, kernel_order.TORCH_WARP_HALVING, is_interpreted())
+
+
+def _prepare_fwd(key: tuple, q: Any, r: Any, phase: int, order: Order | None, eps: float) -> Plan:
+    """Check, resolve the order, plan the forward launch. ``info``: (the [b, s, h, 1] stats shape, fp32 dtype)."""
+    check_q(q)
     b, s, h, d = shape_of(q)
+    if phase == PHASE_APPLY and (shape_of(r) != [b, s, h, 1] or dtype_name(r) != "float32"):
+        raise ValueError(f"q_rms_norm: `r` must be float32 [{b}, {s}, {h}, 1], got {dtype_name(r)} {shape_of(r)}")
+    order = paddle_cpu_order() if phase == PHASE_APPLY else (order or default_order(q))
+    info = ([b, s, h, 1], _float32_of(q))
     rows = b * s * h
     if rows == 0 or d == 0:
-        return
+        return _FWD_PLANS.add(key, Plan(None, info=info))
     cfg = _config(d, order, phase=phase)
     s_b, s_s, s_h, s_d = strides_of(q)
     step = _row_stride(shape_of(q), strides_of(q))
-    launch(
-        _q_rms_norm_fwd_kernel, (triton.cdiv(rows, cfg["BLOCK_R"]),),
-        detached(q), detached(y), detached(stat),
-        rows, s, h, s_b, s_s, s_h if step is None else step, s_d,
-        float(order.mean_factor), float(eps),
-        D=d, PHASE=phase, FLAVOR=order.flavor, DOWNCAST=dtype_name(q) != "float32",
-        FLAT_ROWS=step is not None, enable_fp_fusion=False, **cfg,
-    )
+    meta = dict(D=d, PHASE=phase, FLAVOR=order.flavor, DOWNCAST=dtype_name(q) != "float32",
+                FLAT_ROWS=step is not None, enable_fp_fusion=False, **cfg)
+    scalars = (rows, s, h, s_b, s_s, s_h if step is None else step, s_d, float(order.mean_factor), float(eps))
+    return _FWD_PLANS.add(key, Plan((triton.cdiv(rows, cfg["BLOCK_R"]),), scalars, meta, info))
+
+
+def _fwd_plan(q: Any, r: Any, phase: int, order: Order | None, eps: float) -> Plan:
+    key = (layout_key(q), None if r is None else layout_key(r), phase, order, eps, _tuning())
+    return _FWD_PLANS.get(key) or _prepare_fwd(key, q, r, phase, order, eps)
+
+
+def _fwd(plan: Plan, q: Any, y: Any, stat: Any) -> None:
+    if plan.grid is not None:
+        launch(_q_rms_norm_fwd_kernel, plan.grid, detached(q), detached(y), detached(stat), *plan.scalars,
+               bound=plan.bound, **plan.meta)
 
 
 def q_rms_norm_stats(q: Any, order: Order | None = None) -> Any:
     """``mean(q^2, -1)`` as a new contiguous fp32 [b, s, h, 1] tensor, summed in ``order``."""
-    check_q(q)
-    order = order or default_order(q)
-    b, s, h, _ = shape_of(q)
-    ms = empty_like(q, shape=[b, s, h, 1], dtype=_float32_of(q))
-    _fwd(q, q, ms, PHASE_STATS, order, 0.0)
+    plan = _fwd_plan(q, None, PHASE_STATS, order, 0.0)
+    ms = empty_like(q, shape=plan.info[0], dtype=plan.info[1])
+    _fwd(plan, q, q, ms)
     return ms
 
 
 def q_rms_norm_apply(q: Any, r: Any) -> Any:
     """``q * r`` (r fp32 [b, s, h, 1], contiguous) rounded to q's dtype, as a new contiguous tensor."""
-    check_q(q)
-    b, s, h, _ = shape_of(q)
-    if shape_of(r) != [b, s, h, 1] or dtype_name(r) != "float32":
-        raise ValueError(f"q_rms_norm: `r` must be float32 [{b}, {s}, {h}, 1], got {dtype_name(r)} {shape_of(r)}")
+    plan = _fwd_plan(q, r, PHASE_APPLY, None, 0.0)
     y = empty_like(q)
-    _fwd(q, y, _contiguous(r), PHASE_APPLY, paddle_cpu_order(), 0.0)
+    _fwd(plan, q, y, _contiguous(r))
     return y
 
 
 def q_rms_norm_fused(q: Any, eps: float, order: Order | None = None) -> tuple[Any, Any]:
     """One kernel: ``(y, r)`` with ``r = rsqrt(mean(q^2) + eps)`` fp32 [b, s, h, 1] and ``y = q * r``."""
-    check_q(q)
-    order = order or default_order(q)
-    b, s, h, _ = shape_of(q)
+    plan = _fwd_plan(q, None, PHASE_FUSED, order, eps)
     y = empty_like(q)
-    r = empty_like(q, shape=[b, s, h, 1], dtype=_float32_of(q))
-    _fwd(q, y, r, PHASE_FUSED, order, eps)
+    r = empty_like(q, shape=plan.info[0], dtype=plan.info[1])
+    _fwd(plan, q, y, r)
     return y, r
 
 
-def q_rms_norm_bwd(dy: Any, q: Any, r: Any, order: Order | None = None) -> Any:
-    """The gradient for ``q`` given ``dy`` (like q, any strides) and the forward's ``r``; a new contiguous tensor."""
+def _prepare_bwd(key: tuple, dy: Any, q: Any, r: Any, order: Order | None) -> Plan:
+    """Check (same order and messages as ever), resolve the order and plan the backward launch."""
     check_q(q)
     check_q(dy, "dy", "q_rms_norm (backward)")
     b, s, h, d = shape_of(q)
@@ -220,24 +250,29 @@ def q_rms_norm_bwd(dy: Any, q: Any, r: Any, order: Order | None = None) -> Any:
         raise ValueError(f"q_rms_norm (backward): `r` must be float32 [{b}, {s}, {h}, 1], "
                          f"got {dtype_name(r)} {shape_of(r)}")
     order = order or default_order(q)
-    dx = empty_like(q)
     rows = b * s * h
     if rows == 0 or d == 0:
-        return dx
+        return _BWD_PLANS.add(key, Plan(None))
     cfg = _config(d, order, backward=True)
     x_strides, g_strides = strides_of(q), strides_of(dy)
     x_step, g_step = _row_stride(shape_of(q), x_strides), _row_stride(shape_of(dy), g_strides)
     flat = x_step is not None and g_step is not None
     if flat:
         x_strides[2], g_strides[2] = x_step, g_step
-    launch(
-        _q_rms_norm_bwd_kernel, (triton.cdiv(rows, cfg["BLOCK_R"]),),
-        detached(q), detached(dy), detached(_contiguous(r)), dx,
-        rows, s, h, *x_strides, *g_strides,
-        float(order.inv_d),
-        D=d, FLAVOR=order.flavor, DOWNCAST=dtype_name(dx) != "float32",
-        FLAT_ROWS=flat, enable_fp_fusion=False, **cfg,
-    )
+    meta = dict(D=d, FLAVOR=order.flavor, DOWNCAST=dtype_name(q) != "float32", FLAT_ROWS=flat,
+                enable_fp_fusion=False, **cfg)
+    scalars = (rows, s, h, *x_strides, *g_strides, float(order.inv_d))
+    return _BWD_PLANS.add(key, Plan((triton.cdiv(rows, cfg["BLOCK_R"]),), scalars, meta))
+
+
+def q_rms_norm_bwd(dy: Any, q: Any, r: Any, order: Order | None = None) -> Any:
+    """The gradient for ``q`` given ``dy`` (like q, any strides) and the forward's ``r``; a new contiguous tensor."""
+    key = (layout_key(dy), layout_key(q), layout_key(r), order, _tuning())
+    plan = _BWD_PLANS.get(key) or _prepare_bwd(key, dy, q, r, order)
+    dx = empty_like(q)
+    if plan.grid is not None:
+        launch(_q_rms_norm_bwd_kernel, plan.grid, detached(q), detached(dy), detached(_contiguous(r)), dx,
+               *plan.scalars, bound=plan.bound, **plan.meta)
     return dx
 
 

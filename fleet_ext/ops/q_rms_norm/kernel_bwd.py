@@ -28,7 +28,8 @@ def _dx_tile(g, x, r, d_sq, FLAVOR: tl.constexpr):
 def _d_sq(g_r, r, inv_d, D: tl.constexpr, BLOCK_R: tl.constexpr, FLAVOR: tl.constexpr):
     """d(loss)/d(x^2) per row from the row sum ``g_r = sum(dy * x)``, in the flavour's operation order."""
     if FLAVOR == 0:
-        d_ms = (((-0.5 * g_r) * r) * r) * r
+        # ``+ 0.0``: the gradient of Paddle's ``ms + eps`` adds a zero, so a -0 (r = 0: mean(x^2) overflowed) is +0
+        d_ms = (((-0.5 * g_r) * r) * r) * r + 0.0
         d_sq = tl.math.div_rn(d_ms, tl.full([BLOCK_R], D, tl.float32))
     else:
         d_ms = (g_r * -0.5) * ((r * r) * r)

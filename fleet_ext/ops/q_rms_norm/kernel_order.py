@@ -9,6 +9,7 @@ accumulators and the lane tree) is in ``kernel_common.py``. Pure Python: no Padd
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 FLAVOR_PADDLE, FLAVOR_TORCH = 0, 1
@@ -66,6 +67,12 @@ def torch_cuda_order(rows: int, d: int, vec_min_d: int | None = None, halving: b
     """
     vec_min_d = TORCH_VEC_MIN_D if vec_min_d is None else vec_min_d
     halving = TORCH_WARP_HALVING if halving is None else halving
+    return _torch_cuda_order(int(rows), int(d), int(vec_min_d), bool(halving))
+
+
+@functools.lru_cache(maxsize=1024)
+def _torch_cuda_order(rows: int, d: int, vec_min_d: int, halving: bool) -> Order:
+    """:func:`torch_cuda_order` with its defaults resolved; cached (a pure function of ints, asked every forward)."""
     vectorize = d >= vec_min_d
     dim0 = d // 4 if vectorize else d
     dim0_pow2 = _last_pow2(dim0) if dim0 < _MAX_THREADS else _MAX_THREADS

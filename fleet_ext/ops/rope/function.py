@@ -45,7 +45,7 @@ def apply_partial_rope(
     x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor, inverse: bool = False
 ) -> paddle.Tensor:
     """Rotate ``x[..., -rd:]`` of ``x`` [b, s, h, d] (or [b, s, d]) by cos/sin [s, rd/2] or [b, s, rd/2]."""
-    kernel.check_args(x, cos, sin)
+    kernel.check_cached(x, cos, sin)  # the checks, once per layout (a plan lookup after that)
     check_tables(cos, sin, "apply_partial_rope")
     return _PartialRope.apply(x, cos, sin, bool(inverse))
 
@@ -54,7 +54,7 @@ def apply_partial_rope_(
     x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor, inverse: bool = False
 ) -> paddle.Tensor:
     """In place, no autograd: rotate the trailing rd channels of ``x`` (any strides); returns ``x``."""
-    kernel.check_args(x, cos, sin, "apply_partial_rope_")
+    kernel.check_cached(x, cos, sin, "apply_partial_rope_")
     if paddle.is_grad_enabled() and not x.stop_gradient:
         raise ValueError("apply_partial_rope_: `x` requires a gradient, but the in-place RoPE records no autograd; "
                          "use apply_partial_rope (out of place) or run under paddle.no_grad()")

@@ -24,12 +24,24 @@ of that slice. One program handles a block of consecutive (batch, position, head
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import triton
 import triton.language as tl
 
-from fleet_ext.ops.launch import detached, dtype_name, empty_like, launch, shape_of, strides_of
+from fleet_ext.ops.launch import (
+    Plan,
+    contiguous_strides,
+    detached,
+    dtype_name,
+    empty_like,
+    launch,
+    layout_key,
+    plan_cache,
+    shape_of,
+    strides_of,
+)
 
 _FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
@@ -193,8 +205,9 @@ def _pow2_floor(n: int) -> int:
     return 1 << (max(int(n), 1).bit_length() - 1)
 
 
+@functools.lru_cache(maxsize=1024)
 def _plan(total: int, d: int, half: int, copy_start: int, use_ptx: bool) -> dict[str, int]:
-    """Block sizes for one launch (constexpr meta-parameters)."""
+    """Block sizes for one launch (constexpr meta-parameters); cached, so callers copy it (``**``), never edit it."""
     nope = d - 2 * half
     copy_width = nope - copy_start
     block_k = _pow2(half)
@@ -215,47 +228,78 @@ def _plan(total: int, d: int, half: int, copy_start: int, use_ptx: bool) -> dict
     return {"BLOCK_M": min(block_m, _pow2(total)), "BLOCK_K": block_k, "BLOCK_N": block_n}
 
 
-def _launch(x: Any, out: Any, cos: Any, sin: Any, *, copy_start: int, shift: int, inverse: bool,
-            zero_fix: bool) -> None:
-    half = int(cos.shape[-1])
+# One plan per (x, cos, sin layouts, entry point, start, inverse): the checks, the geometry and the block sizes
+# run once per key (``fleet_ext.ops.launch``: host cost); a repeat call looks the plan up, allocates and launches.
+_PLANS = plan_cache("rope")
+_ROPE, _GRAD, _IN_PLACE, _TAIL = "apply_partial_rope", "apply_partial_rope (backward)", "apply_partial_rope_", \
+    "rope_tail"
+
+
+def _prepare(key: tuple, x: Any, cos: Any, sin: Any, fn: str, start: int, inverse: bool) -> Plan:
+    """Validate (the same checks and messages as an uncached call) and plan one launch; cached under ``key``.
+
+    ``fn`` picks the variant: out of place, its gradient (opposite rotation, -0.0 -> +0.0), in place, or the
+    trailing channels from ``start`` on. ``info`` of the plan: the output's shape (None: in place)."""
+    half = check_args(x, cos, sin, fn)
     b, s, h, d, x_strides = _geometry(x)
-    _, _, _, _, o_strides = _geometry(out)
+    nope = d - 2 * half
+    if fn == _TAIL and not 0 <= start <= nope:
+        raise ValueError(f"rope_tail: `start` must be in [0, {nope}] (the pass-through width), got {start}")
+    copy_start = nope if fn == _IN_PLACE else start
+    shift = start if fn == _TAIL else 0
+    out_shape = None if fn == _IN_PLACE else shape_of(x)[:-1] + [d - shift]
+    o_strides = x_strides if out_shape is None else contiguous_strides(out_shape)
+    if len(o_strides) == 3:
+        o_strides = [o_strides[0], o_strides[1], 0, o_strides[2]]
     total = b * s * h
     if total == 0:
-        return
-    plan = _plan(total, d, half, copy_start, USE_PTX)
-    launch(
-        _rope_kernel, (triton.cdiv(total, plan["BLOCK_M"]),),
-        detached(x), detached(out), detached(cos), detached(sin),
-        total, s, h,
-        *x_strides, *o_strides, *_table_strides(cos, b), *_table_strides(sin, b),
-        COPY_START=copy_start, NOPE=d - 2 * half, SHIFT=shift, HALF=half, **plan,
-        INVERSE=bool(inverse), ZERO_FIX=bool(zero_fix), DOWNCAST=dtype_name(out) in ("bfloat16", "float16"),
-        USE_PTX=USE_PTX, num_warps=4,
-    )
+        return _PLANS.add(key, Plan(None, info=out_shape))
+    blocks = _plan(total, d, half, copy_start, USE_PTX)
+    meta = dict(COPY_START=copy_start, NOPE=nope, SHIFT=shift, HALF=half, **blocks,
+                INVERSE=bool(inverse) != (fn == _GRAD), ZERO_FIX=fn == _GRAD,
+                DOWNCAST=dtype_name(x) in ("bfloat16", "float16"), USE_PTX=USE_PTX, num_warps=4)
+    scalars = (total, s, h, *x_strides, *o_strides, *_table_strides(cos, b), *_table_strides(sin, b))
+    return _PLANS.add(key, Plan((triton.cdiv(total, blocks["BLOCK_M"]),), scalars, meta, info=out_shape))
+
+
+def _planned(x: Any, cos: Any, sin: Any, fn: str, start: int, inverse: bool) -> Plan:
+    key = (layout_key(x), layout_key(cos), layout_key(sin), fn, start, bool(inverse))
+    return _PLANS.get(key) or _prepare(key, x, cos, sin, fn, start, inverse)
+
+
+def _run(plan: Plan, x: Any, out: Any, cos: Any, sin: Any) -> None:
+    if plan.grid is not None:
+        launch(_rope_kernel, plan.grid, detached(x), detached(out), detached(cos), detached(sin), *plan.scalars,
+               bound=plan.bound, **plan.meta)
+
+
+def check_cached(x: Any, cos: Any, sin: Any, fn: str = _ROPE) -> None:
+    """:func:`check_args` at the cost of a plan lookup once these layouts passed (the Paddle wrappers' pre-check)."""
+    if fn in (_ROPE, _GRAD, _IN_PLACE):
+        _planned(x, cos, sin, fn, 0, False)
+    else:
+        check_args(x, cos, sin, fn)
 
 
 def rope(x: Any, cos: Any, sin: Any, inverse: bool = False) -> Any:
     """Out of place: a new contiguous tensor like ``x`` with its trailing rd channels rotated."""
-    check_args(x, cos, sin)
-    out = empty_like(x)
-    _launch(x, out, cos, sin, copy_start=0, shift=0, inverse=inverse, zero_fix=False)
+    plan = _planned(x, cos, sin, _ROPE, 0, inverse)
+    out = empty_like(x, plan.info)
+    _run(plan, x, out, cos, sin)
     return out
 
 
 def rope_grad(grad: Any, cos: Any, sin: Any, inverse: bool = False) -> Any:
     """The gradient of :func:`rope` (``inverse`` as in the forward): the opposite rotation, -0.0 -> +0.0."""
-    check_args(grad, cos, sin, "apply_partial_rope (backward)")
-    out = empty_like(grad)
-    _launch(grad, out, cos, sin, copy_start=0, shift=0, inverse=not inverse, zero_fix=True)
+    plan = _planned(grad, cos, sin, _GRAD, 0, inverse)
+    out = empty_like(grad, plan.info)
+    _run(plan, grad, out, cos, sin)
     return out
 
 
 def rope_(x: Any, cos: Any, sin: Any, inverse: bool = False) -> Any:
     """In place: rotates only the trailing rd channels of ``x`` (any strides); returns ``x``."""
-    check_args(x, cos, sin, "apply_partial_rope_")
-    nope = int(x.shape[-1]) - 2 * int(cos.shape[-1])
-    _launch(x, x, cos, sin, copy_start=nope, shift=0, inverse=inverse, zero_fix=False)
+    _run(_planned(x, cos, sin, _IN_PLACE, 0, inverse), x, x, cos, sin)
     return x
 
 
@@ -266,11 +310,7 @@ def rope_tail(x: Any, cos: Any, sin: Any, start: int, inverse: bool = False) -> 
     ``start = d - rd`` it is the bare rotated pe slice; it never materialises the full width unless
     ``start == 0``.
     """
-    check_args(x, cos, sin, "rope_tail")
-    d = int(x.shape[-1])
-    nope = d - 2 * int(cos.shape[-1])
-    if not 0 <= start <= nope:
-        raise ValueError(f"rope_tail: `start` must be in [0, {nope}] (the pass-through width), got {start}")
-    out = empty_like(x, shape=shape_of(x)[:-1] + [d - start])
-    _launch(x, out, cos, sin, copy_start=start, shift=start, inverse=inverse, zero_fix=False)
+    plan = _planned(x, cos, sin, _TAIL, int(start), inverse)
+    out = empty_like(x, plan.info)
+    _run(plan, x, out, cos, sin)
     return out

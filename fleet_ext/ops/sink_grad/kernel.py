@@ -22,7 +22,17 @@ from typing import Any
 import triton
 import triton.language as tl
 
-from fleet_ext.ops.launch import detached, dtype_name, empty_like, launch, shape_of, strides_of
+from fleet_ext.ops.launch import (
+    Plan,
+    detached,
+    dtype_name,
+    empty_like,
+    launch,
+    layout_key,
+    plan_cache,
+    shape_of,
+    strides_of,
+)
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -125,34 +135,58 @@ def config(tokens: int, heads: int, dim: int) -> dict:
     return dict(TOK=16, BLOCK_T=1, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=8)
 
 
-def sink_grad(d_out: Any, out: Any, lse: Any, sink: Any, d_lse: Any = None) -> Any:
-    """``d_sink`` fp32 [H] (a new tensor like ``sink``); ``d_out``/``out`` may be None when only ``d_lse`` flows."""
+# One plan pair (partials launch, reduce launch) per layouts of the arguments: the checks and the configuration run
+# once per key (``fleet_ext.ops.launch``: host cost); a repeat call allocates its two buffers and launches.
+_PLANS = plan_cache("sink_grad")
+
+
+def _key(t: Any) -> Any:
+    return None if t is None else layout_key(t)
+
+
+def _prepare(key: tuple, d_out: Any, out: Any, lse: Any, sink: Any, d_lse: Any) -> Plan:
+    """Check (same messages), configure both launches. ``info``: (partials shape, the reduce's plan)."""
     check_args(d_out, out, lse, sink, d_lse)
     batch, seq, heads = shape_of(lse)
     dim = shape_of(out)[3] if out is not None else 1
     tokens = batch * seq
     cfg = config(tokens, heads, dim)
     n_part = max(1, triton.cdiv(tokens, cfg["TOK"]))
-    partials = empty_like(sink, shape=[n_part, heads])
-    d_sink = empty_like(sink)
     if heads == 0:
+        return _PLANS.add(key, Plan(None, info=([n_part, heads], None)))
+    has_do = out is not None
+    do_s = strides_of(d_out) if has_do else [0, 0, 0, 0]
+    o_s = strides_of(out) if has_do else [0, 0, 0, 0]
+    dl_s = strides_of(d_lse) if d_lse is not None else [0, 0, 0]
+    meta = dict(D=dim, TOK=cfg["TOK"], BLOCK_T=cfg["BLOCK_T"], BLOCK_H=cfg["BLOCK_H"], BLOCK_D=cfg["BLOCK_D"],
+                HAS_DO=has_do, HAS_DLSE=d_lse is not None, num_warps=cfg["num_warps"])
+    partial = Plan((n_part, triton.cdiv(heads, cfg["BLOCK_H"])),
+                   (tokens, seq, heads, *do_s, *o_s, *strides_of(lse), *dl_s), meta)
+    block_h = min(64, _pow2(heads))
+    block_p = max(1, min(_pow2(n_part), 4096 // block_h))
+    reduce = Plan((triton.cdiv(heads, block_h),), (heads,), dict(P=n_part, BLOCK_P=block_p, BLOCK_H=block_h,
+                                                                    num_warps=4))
+    partial.info = ([n_part, heads], reduce)
+    return _PLANS.add(key, partial)
+
+
+def sink_grad(d_out: Any, out: Any, lse: Any, sink: Any, d_lse: Any = None) -> Any:
+    """``d_sink`` fp32 [H] (a new tensor like ``sink``); ``d_out``/``out`` may be None when only ``d_lse`` flows."""
+    key = (_key(d_out), _key(out), _key(lse), _key(sink), _key(d_lse), is_interpreted())
+    plan = _PLANS.get(key) or _prepare(key, d_out, out, lse, sink, d_lse)
+    part_shape, reduce = plan.info
+    partials = empty_like(sink, shape=part_shape)
+    d_sink = empty_like(sink)
+    if plan.grid is None:
         return d_sink
     has_do = out is not None
     do_t, o_t = (d_out, out) if has_do else (lse, lse)  # placeholders, never read
-    do_s = strides_of(d_out) if has_do else [0, 0, 0, 0]
-    o_s = strides_of(out) if has_do else [0, 0, 0, 0]
     dl_t = d_lse if d_lse is not None else lse
-    dl_s = strides_of(d_lse) if d_lse is not None else [0, 0, 0]
     launch(
-        _sink_grad_partial_kernel, (n_part, triton.cdiv(heads, cfg["BLOCK_H"])),
-        detached(do_t), detached(o_t), detached(lse), detached(dl_t), detached(sink), partials,
-        tokens, seq, heads,
-        *do_s, *o_s, *strides_of(lse), *dl_s,
-        D=dim, TOK=cfg["TOK"], BLOCK_T=cfg["BLOCK_T"], BLOCK_H=cfg["BLOCK_H"], BLOCK_D=cfg["BLOCK_D"],
-        HAS_DO=has_do, HAS_DLSE=d_lse is not None, num_warps=cfg["num_warps"],
+        _sink_grad_partial_kernel, plan.grid,
+        detached(do_t), detached(o_t), detached(lse), detached(dl_t), detached(sink), partials, *plan.scalars,
+        bound=plan.bound, **plan.meta,
     )
-    block_h = min(64, _pow2(heads))
-    block_p = max(1, min(_pow2(n_part), 4096 // block_h))
-    launch(_sink_grad_reduce_kernel, (triton.cdiv(heads, block_h),), partials, d_sink, heads,
-           P=n_part, BLOCK_P=block_p, BLOCK_H=block_h, num_warps=4)
+    launch(_sink_grad_reduce_kernel, reduce.grid, partials, d_sink, *reduce.scalars, bound=reduce.bound,
+           **reduce.meta)
     return d_sink

@@ -57,7 +57,8 @@ Host launchers take torch tensors (CUDA, or CPU in interpreter mode) or Paddle t
 :mod:`fleet_ext.ops.launch`); the only framework op used is the stable sort of the CSR build. The module
 is split by role: this one (validation and launchers), ``kernel_fwd.py`` (forward and trailing-bound
 kernels), ``kernel_bwd.py`` (backward kernels), ``kernel_config.py`` (launch-configuration choice). None
-of them imports Paddle or torch, and none decides anything about the machine at import.
+of them imports Paddle or torch, and none decides anything about the machine at import. The dense causal
+mode (no index table: keys ``0 .. position``) is ``causal.py`` (launchers) and ``kernel_causal.py``.
 """
 
 from __future__ import annotations

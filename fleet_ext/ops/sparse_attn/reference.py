@@ -67,3 +67,36 @@ def sparse_attention_with_sink(
     out = paddle.matmul(probs, values).astype(q.dtype)  # [B, S, H, d_v]
     lse = (paddle.log(denom) + row_max).squeeze(-1)
     return out, lse
+
+
+def causal_attention_probs(
+    q: paddle.Tensor,
+    kv: paddle.Tensor,
+    lse: paddle.Tensor,
+    scale: float,
+    q_offset: int = 0,
+    n_cols: int | None = None,
+    d_v: int | None = None,
+) -> paddle.Tensor:
+    """Head-summed causal attention probabilities [B, S, n_cols] fp32, no gradient (the DSA indexer warm-up KL's
+    target): ``sum_h exp(scale q_{t,h} . kv_j - lse_{t,h})`` for key j <= ``q_offset + t``, else 0.
+
+    q [B, S, H, d], kv [B, N, d], lse [B, S, H] (the attention's, sink-inclusive); ``n_cols`` (default N) leading
+    keys. Builds the [B, S, H, n_cols] logits (the reference; ``function.causal_probs_triton`` does not). ``d_v``
+    is accepted for the slot's signature (the sum runs over every channel).
+    """
+    batch, seq = q.shape[0], q.shape[1]
+    n_cols = kv.shape[1] if n_cols is None else int(n_cols)
+    if not 0 <= q_offset <= kv.shape[1] - seq or not 0 <= n_cols <= kv.shape[1] or list(lse.shape) != q.shape[:3]:
+        raise ValueError(
+            f"causal_attention_probs: need 0 <= q_offset <= N - S, 0 <= n_cols <= N (N = {kv.shape[1]}, S = {seq}) "
+            f"and `lse` {q.shape[:3]}, got q_offset={q_offset}, n_cols={n_cols}, lse {lse.shape}"
+        )
+    with paddle.no_grad():
+        keys = kv[:, :n_cols] if n_cols < kv.shape[1] else kv
+        logits = paddle.matmul(q.astype("float32"), keys.astype("float32").unsqueeze(1), transpose_y=True) * scale
+        per_head = paddle.exp(logits - lse.astype("float32").unsqueeze(-1))  # [B, S, H, n_cols]
+        positions = paddle.arange(q_offset, q_offset + seq, dtype="int64").unsqueeze(1)
+        valid = (paddle.arange(n_cols, dtype="int64").unsqueeze(0) <= positions).unsqueeze(0)
+        valid = valid.expand([batch, seq, n_cols])
+        return paddle.where(valid.unsqueeze(2), per_head, paddle.zeros_like(per_head)).sum(axis=2)

@@ -1,0 +1,1 @@
+"""fleet_ext.ops.mhc (no Paddle import here; see DESIGN.md)."""

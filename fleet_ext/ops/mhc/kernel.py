@@ -1,0 +1,299 @@
+"""Triton mHC: the pre op (projection, RMS statistics, gates, Sinkhorn, collapse) and the post combine.
+
+Framework-agnostic host launchers (Paddle or torch tensors, through :mod:`fleet_ext.ops.launch`); this module
+imports neither Paddle nor torch. Device code: ``kernel_fwd.py``, ``kernel_bwd.py``.
+
+**Kernel boundaries, and why.** mHC is memory bound on the streams X [T, n, D] (n D = 16384 values per token
+in V4-Flash); everything else per token is tiny (24 mixing logits, an n x n matrix).
+
+- *pre forward*, two kernels. ``_mhc_proj_fwd``: the projection ``x @ fn^T`` and ``sum(x^2)`` in one pass over
+  the streams, split over K = n D as well as over tokens (``SPLITS`` partial sums per token: a grid of many more
+  programs than token blocks, each reading its part of the rows once, ``fn`` staying in L2). ``_mhc_pre_fwd``: per
+  token block, the splits summed in a fixed order, the RMS factor, the gates and the 20 Sinkhorn iterations in
+  registers, then the collapse ``sum_j pre_j X_j``, the second pass over the streams (the collapse needs the
+  gates, which need the whole row's projection). The fp32 and normalised copies of X that the unfused path
+  materialises never exist. The head (``mhc_head``) runs the same two kernels without post / Sinkhorn.
+- *combine forward* (``_mhc_combine_fwd``): ``X'_k = post_k f + sum_j comb[j, k] X_j`` on [tokens, D] tiles:
+  one read of X and f, one write of X'. It cannot join the pre kernels: the attention or MLP block runs between.
+- *pre backward*, three kernels. ``_mhc_pre_bwd`` per token block: ``g_pre`` (a pass over X and ``g_y``), the
+  gates' and Sinkhorn's backward in registers, then per token what the streams' gradient needs (``G = g_mix r``,
+  a scalar, the pre gate) and the block's sums for ``g_base`` / ``g_scale``. ``_mhc_dx_bwd``: one channel tile of
+  one stream (``fn``'s slab loaded once) over a run of tokens, in order: the streams' gradient (the second pass
+  over X) and that run's share of ``g_fn = G^T X`` (``SPLITS`` runs). ``_mhc_params_bwd``: the shares of ``g_fn``
+  and the blocks' sums added in a fixed order.
+- *combine backward* (``_mhc_combine_bwd``): per token, every reduction (``g_post``, ``g_comb`` over D) inside
+  one program, in order.
+
+Deterministic: every sum has one fixed order for a given launch geometry (no atomics), so results are
+byte-identical run to run.
+
+**Accuracy.** All maths in fp32; the outputs round once to the streams' dtype. The tile products keep fp32
+accuracy (``kernel_fwd._dot``): the interpreter multiplies in fp32 (numpy); on a GPU, products with the bf16
+streams run as three bf16 tensor-core products of the other operand's bf16 pieces (the streams are exact in
+bf16), other products as three TF32 products (``tf32x3``), each tile's products in a fresh accumulator added to
+the running sum in fp32. The streams' gradient's ``G @ fn`` with bf16 streams takes the three largest bf16
+products of both operands' pieces (~2^-16 relative, far under the bf16 rounding of that gradient); fp32 streams
+keep ``tf32x3``. Not bitwise equal to the Paddle reference (other summation orders, the norm applied after the
+projection: ``(x @ fn^T) * r`` instead of ``(x * r) @ fn^T``, numpy's / the GPU's ``exp``): the tolerance is the
+registry's, held by ``tests/single_card_tests/test_fusion_mhc.py`` and ``tests/gpu/test_mhc_gpu.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import triton
+
+from fleet_ext.ops.launch import detached, dtype_name, empty_like, is_paddle, launch, shape_of
+from fleet_ext.ops.mhc.kernel_bwd import _mhc_combine_bwd, _mhc_dx_bwd, _mhc_params_bwd, _mhc_pre_bwd
+from fleet_ext.ops.mhc.kernel_fwd import (
+    DOT_BF16X3,
+    DOT_BF16X3_ROUNDED,
+    DOT_BF16X6,
+    DOT_IEEE,
+    DOT_TF32X3,
+    _mhc_combine_fwd,
+    _mhc_pre_fwd,
+    _mhc_proj_fwd,
+)
+
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+KERNELS = ("_mhc_proj_fwd", "_mhc_pre_fwd", "_mhc_combine_fwd", "_mhc_pre_bwd", "_mhc_dx_bwd", "_mhc_params_bwd",
+           "_mhc_combine_bwd")
+
+# GPU launch geometry per kernel (tokens per program BT, channel tiles BK / BD, the number of splits of K or of
+# the tokens SPLITS, warps) and the product modes; TUNE overrides any key without editing the module (the
+# benchmark's sweep). The values are the fastest of the sweep on the H200 (benchmarks/RESULTS.md, fused mHC).
+GPU_CONFIG: dict[str, dict[str, int]] = {
+    "proj": {"BT": 128, "BK": 64, "SPLITS": 8, "num_warps": 8},
+    "pre_fwd": {"BT": 8, "BD": 256, "num_warps": 4},
+    "pre_bwd": {"BT": 8, "BD": 256, "num_warps": 4},
+    "dx": {"BT": 32, "BD": 32, "SPLITS": 8, "num_warps": 8},
+    "params": {"BLOCK": 1024, "BB": 64, "num_warps": 4},
+    "combine_fwd": {"BT": 4, "BD": 512, "num_warps": 8},
+    "combine_bwd": {"BT": 4, "BD": 256, "num_warps": 8},
+}
+# Tile products (``kernel_fwd._dot``): with one bf16-exact operand, the streams ("dot": "bf16x3" or "tf32x3"),
+# and with two fp32 operands, the streams' gradient's G @ fn ("gx": "tf32x3" or "bf16x6", fp32 accuracy, or
+# "bf16x3", ~2^-16 relative, taken only where that gradient is rounded to bf16: fp32 streams get "tf32x3").
+PRODUCTS = {"dot": "bf16x3", "gx": "bf16x3"}
+TUNE: dict[str, Any] = {}  # e.g. {"proj": {"SPLITS": 4}, "dot": "tf32x3"}
+HOST_KEYS = ("SPLITS",)  # launch-geometry keys the host uses (not kernel meta-parameters)
+
+
+def is_interpreted() -> bool:
+    return type(_mhc_pre_fwd).__name__ == "InterpretedFunction"
+
+
+def _float32_of(t: Any) -> Any:
+    """fp32 in the framework of ``t`` (imported lazily: this module imports no framework)."""
+    if is_paddle(t):
+        import paddle
+
+        return paddle.float32
+    import torch
+
+    return torch.float32
+
+
+def _pow2(n: int, floor: int = 16) -> int:
+    return max(floor, triton.next_power_of_2(max(int(n), 1)))
+
+
+def _config(kind: str, n: int, d: int) -> dict[str, int]:
+    """The launch geometry of ``kind`` for n streams of width d (the interpreter: large tiles, numpy pays per op)."""
+    if is_interpreted():
+        width = min(_pow2(d), 256)
+        cfg = {"proj": {"BT": 128, "BK": min(_pow2(n * d), 1024), "SPLITS": 1},
+               "pre_fwd": {"BT": 128, "BD": width}, "pre_bwd": {"BT": 128, "BD": width},
+               "dx": {"BT": 128, "BD": width, "SPLITS": 1}, "params": {"BLOCK": 4096, "BB": 64},
+               "combine_fwd": {"BT": 64, "BD": width}, "combine_bwd": {"BT": 64, "BD": width}}[kind]
+        return {**cfg, **{k: v for k, v in TUNE.get(kind, {}).items() if k != "num_warps"}}
+    cfg = {**GPU_CONFIG[kind], **TUNE.get(kind, {})}
+    for key in ("BK", "BD"):  # never wider than the row (masks cover the rest); tl.dot wants >= 16
+        if key in cfg:
+            cfg[key] = min(cfg[key], _pow2(n * d if key == "BK" else d))
+    return cfg
+
+
+def _meta(cfg: dict[str, int]) -> dict[str, int]:
+    return {k: v for k, v in cfg.items() if k not in HOST_KEYS}
+
+
+def _split(total: int, splits: int, tile: int) -> tuple[int, int]:
+    """``(per, count)``: ``total`` cut into ``count`` <= ``splits`` runs of ``per`` (a multiple of ``tile``)."""
+    per = triton.cdiv(triton.cdiv(total, max(1, splits)), tile) * tile
+    return per, triton.cdiv(total, per)
+
+
+def _products(x: Any) -> tuple[int, int]:
+    """``(DOT, GX)``: how tile products keep fp32 accuracy here (``kernel_fwd._dot``)."""
+    if is_interpreted():
+        return DOT_IEEE, DOT_IEEE
+    modes = {**PRODUCTS, **{k: TUNE[k] for k in PRODUCTS if k in TUNE}}
+    if modes["dot"] not in ("tf32x3", "bf16x3") or modes["gx"] not in ("tf32x3", "bf16x6", "bf16x3"):
+        raise ValueError(f"mhc: TUNE['dot'] must be 'tf32x3' or 'bf16x3' and TUNE['gx'] 'tf32x3', 'bf16x6' or "
+                         f"'bf16x3', got {modes['dot']!r} / {modes['gx']!r}")
+    exact = dtype_name(x) == "bfloat16"  # the streams are one operand: exact in bf16, and g_x is rounded to bf16
+    dot = DOT_BF16X3 if modes["dot"] == "bf16x3" and exact else DOT_TF32X3
+    gx = {"tf32x3": DOT_TF32X3, "bf16x6": DOT_BF16X6, "bf16x3": DOT_BF16X3_ROUNDED if exact else DOT_TF32X3}
+    return dot, gx[modes["gx"]]
+
+
+def _check(t: Any, name: str, shape: list[int], dtypes: tuple[str, ...], fn: str) -> None:
+    if shape_of(t) != shape or dtype_name(t) not in dtypes:
+        raise ValueError(f"{fn}: `{name}` must be {'/'.join(dtypes)} {shape} (contiguous), got {dtype_name(t)} "
+                         f"{shape_of(t)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{fn}: `{name}` must be contiguous")
+
+
+def _check_streams(x: Any, fn: str) -> tuple[int, int, int]:
+    if len(shape_of(x)) != 3 or dtype_name(x) not in FLOAT_DTYPES:
+        raise ValueError(f"{fn}: `streams` must be [T, n, D] float ({', '.join(FLOAT_DTYPES)}), got "
+                         f"{dtype_name(x)} {shape_of(x)}")
+    t, n, d = shape_of(x)
+    _check(x, "streams", [t, n, d], FLOAT_DTYPES, fn)
+    return t, n, d
+
+
+def _check_params(fn_w: Any, base: Any, scale: Any, n: int, d: int, head: bool, fn: str) -> int:
+    nout = n if head else (2 + n) * n
+    _check(fn_w, "fn", [nout, n * d], ("float32",), fn)
+    _check(base, "base", [nout], ("float32",), fn)
+    _check(scale, "scale", [1 if head else 3], ("float32",), fn)
+    return nout
+
+
+def _common(n: int, d: int, nout: int, head: bool, iterations: int) -> dict[str, Any]:
+    """Shape constants; ``NO`` (the padded mix width) keeps a spare column past NOUT (the projection's squares)."""
+    return {"N": n, "P": triton.next_power_of_2(n), "D": d, "NOUT": nout, "NO": _pow2(nout + 1),
+            "ITERS": int(iterations), "HEAD": bool(head)}
+
+
+def pre_forward(x: Any, fn_w: Any, base: Any, scale: Any, iterations: int, eps: float, norm_eps: float,
+                head: bool = False) -> tuple[Any, Any, Any, Any, Any]:
+    """``(post [T, n], comb [T, n, n], y [T, D], mix [T, NOUT], r [T])`` for streams ``x`` [T, n, D]; fp32 except
+    ``y`` (x's dtype). With ``head``: the final collapse (``post``, ``comb`` are None; fn [n, nD], scale [1])."""
+    t, n, d = _check_streams(x, "mhc_pre")
+    nout = _check_params(fn_w, base, scale, n, d, head, "mhc_pre")
+    f32 = _float32_of(x)
+    mix = empty_like(x, shape=[t, nout], dtype=f32)
+    r = empty_like(x, shape=[t], dtype=f32)
+    post = None if head else empty_like(x, shape=[t, n], dtype=f32)
+    comb = None if head else empty_like(x, shape=[t, n, n], dtype=f32)
+    y = empty_like(x, shape=[t, d])
+    if t == 0:
+        return post, comb, y, mix, r
+    common = _common(n, d, nout, head, iterations)
+    cfg = _config("proj", n, d)
+    per, splits = _split(n * d, cfg["SPLITS"], cfg["BK"])
+    part = empty_like(x, shape=[splits, t, common["NO"]], dtype=f32)
+    dot, _ = _products(x)
+    launch(_mhc_proj_fwd, (triton.cdiv(t, cfg["BT"]), splits), detached(x), detached(fn_w), part, t, per,
+           N=n, D=d, NOUT=nout, NO=common["NO"], DOT=dot, **_meta(cfg))
+    cfg = _config("pre_fwd", n, d)
+    launch(
+        _mhc_pre_fwd, (triton.cdiv(t, cfg["BT"]),),
+        detached(x), part, detached(base), detached(scale), mix, r, mix if head else post, mix if head else comb, y,
+        t, splits, float(eps), float(norm_eps), **common, DOWNCAST=dtype_name(x) != "float32", **_meta(cfg),
+    )
+    return post, comb, y, mix, r
+
+
+def pre_backward(x: Any, fn_w: Any, base: Any, scale: Any, mix: Any, r: Any, d_post: Any, d_comb: Any, d_y: Any,
+                 iterations: int, eps: float, head: bool = False) -> tuple[Any, Any, Any, Any]:
+    """``(g_x [T, n, D] in x's dtype, g_fn, g_base, g_scale)`` (fp32) of :func:`pre_forward` given the gradients
+    of its outputs (``d_post``/``d_comb`` fp32, ignored with ``head``; ``d_y`` [T, D] in x's dtype)."""
+    t, n, d = _check_streams(x, "mhc_pre (backward)")
+    nout = _check_params(fn_w, base, scale, n, d, head, "mhc_pre (backward)")
+    _check(d_y, "d_y", [t, d], (dtype_name(x),), "mhc_pre (backward)")
+    _check(mix, "mix", [t, nout], ("float32",), "mhc_pre (backward)")
+    _check(r, "r", [t], ("float32",), "mhc_pre (backward)")
+    if not head:
+        _check(d_post, "d_post", [t, n], ("float32",), "mhc_pre (backward)")
+        _check(d_comb, "d_comb", [t, n, n], ("float32",), "mhc_pre (backward)")
+    f32 = _float32_of(x)
+    common = _common(n, d, nout, head, iterations)
+    no, p = common["NO"], common["P"]
+    g_x = empty_like(x)
+    g_fn = empty_like(x, shape=[nout, n * d], dtype=f32)
+    g_base = empty_like(x, shape=[nout], dtype=f32)
+    g_scale = empty_like(x, shape=[1 if head else 3], dtype=f32)
+    cfg = _config("pre_bwd", n, d)
+    blocks = triton.cdiv(t, cfg["BT"])
+    sums = empty_like(x, shape=[max(blocks, 1), 2, no], dtype=f32)
+    cfg_dx = _config("dx", n, d)
+    per, splits = _split(t, cfg_dx["SPLITS"], cfg_dx["BT"]) if t > 0 else (1, 0)
+    part = empty_like(x, shape=[max(splits, 1), no, n * d], dtype=f32)
+    dot, gx = _products(x)
+    if t > 0:
+        dz = empty_like(x, shape=[t, nout], dtype=f32)
+        g = empty_like(x, shape=[t, no], dtype=f32)
+        coef = empty_like(x, shape=[t], dtype=f32)
+        pre = empty_like(x, shape=[t, p], dtype=f32)
+        launch(
+            _mhc_pre_bwd, (blocks,),
+            detached(x), detached(base), detached(scale), detached(mix), detached(r),
+            detached(d_y if head else d_post), detached(d_y if head else d_comb), detached(d_y), dz, g, coef, pre,
+            sums, t, float(eps), **common, **_meta(cfg),
+        )
+        launch(
+            _mhc_dx_bwd, (n * triton.cdiv(d, cfg_dx["BD"]), splits),
+            detached(x), detached(fn_w), g, pre, coef, detached(d_y), g_x, part, t, per,
+            N=n, P=p, D=d, NOUT=nout, NO=no, GX=gx, DOT=dot, DOWNCAST=dtype_name(x) != "float32", **_meta(cfg_dx),
+        )
+    cfg = _config("params", n, d)
+    launch(
+        _mhc_params_bwd, (triton.cdiv(nout * n * d, cfg["BLOCK"]) + 1,),
+        part, sums, g_fn, g_base, g_scale, splits, blocks if t > 0 else 0,
+        N=n, D=d, NOUT=nout, NO=no, HEAD=bool(head), GROUPS=1 if head else 3, **_meta(cfg),
+    )
+    return g_x, g_fn, g_base, g_scale
+
+
+def _check_combine(x: Any, f: Any, post: Any, comb: Any, fn: str) -> tuple[int, int, int]:
+    t, n, d = _check_streams(x, fn)
+    _check(f, "block_out", [t, d], FLOAT_DTYPES, fn)
+    _check(post, "post", [t, n], ("float32",), fn)
+    _check(comb, "comb", [t, n, n], ("float32",), fn)
+    return t, n, d
+
+
+def combine_forward(x: Any, f: Any, post: Any, comb: Any) -> Any:
+    """``X'_k = post_k f + sum_j comb[j, k] X_j`` for streams ``x`` [T, n, D], ``f`` [T, D]; in x's dtype."""
+    t, n, d = _check_combine(x, f, post, comb, "mhc_combine")
+    out = empty_like(x)
+    if t == 0:
+        return out
+    cfg = _config("combine_fwd", n, d)
+    launch(
+        _mhc_combine_fwd, (triton.cdiv(t, cfg["BT"]), triton.cdiv(d, cfg["BD"])),
+        detached(x), detached(f), detached(post), detached(comb), out, t,
+        N=n, P=triton.next_power_of_2(n), D=d, DOWNCAST=dtype_name(x) != "float32", **cfg,
+    )
+    return out
+
+
+def combine_backward(x: Any, f: Any, post: Any, comb: Any, d_out: Any) -> tuple[Any, Any, Any, Any]:
+    """``(g_x, g_f, g_post, g_comb)`` of :func:`combine_forward` given ``d_out`` (like x)."""
+    t, n, d = _check_combine(x, f, post, comb, "mhc_combine (backward)")
+    _check(d_out, "d_out", [t, n, d], (dtype_name(x),), "mhc_combine (backward)")
+    f32 = _float32_of(x)
+    g_x, g_f = empty_like(x), empty_like(f)
+    g_post = empty_like(x, shape=[t, n], dtype=f32)
+    g_comb = empty_like(x, shape=[t, n, n], dtype=f32)
+    if t == 0:
+        return g_x, g_f, g_post, g_comb
+    cfg = _config("combine_bwd", n, d)
+    launch(
+        _mhc_combine_bwd, (triton.cdiv(t, cfg["BT"]),),
+        detached(x), detached(f), detached(post), detached(comb), detached(d_out), g_x, g_f, g_post, g_comb, t,
+        N=n, P=triton.next_power_of_2(n), D=d, DOWNCAST_X=dtype_name(x) != "float32",
+        DOWNCAST_F=dtype_name(f) != "float32", **cfg,
+    )
+    return g_x, g_f, g_post, g_comb
+
+
+__all__ = ["FLOAT_DTYPES", "GPU_CONFIG", "KERNELS", "PRODUCTS", "TUNE", "combine_backward", "combine_forward",
+           "is_interpreted", "pre_backward", "pre_forward"]

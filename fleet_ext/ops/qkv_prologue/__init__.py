@@ -1,0 +1,1 @@
+"""fleet_ext.ops.qkv_prologue (no Paddle import here; see DESIGN.md)."""

@@ -1,0 +1,267 @@
+"""Triton attention prologue: RMS norm and partial interleaved RoPE of q (per head) or kv (one head) in one pass.
+
+What it replaces, op for op (so the result is bitwise the separate ops' on the platforms the tests name):
+
+- q [b, s, h, d]: ``fleet_ext.ops.q_rms_norm`` (weightless, per head) then ``fleet_ext.ops.rope``;
+- kv [b, s, d]: the weighted RMSNorm (``reference.rms_norm``: ``w * (x * r)``, fp32 gain) then the RoPE.
+
+Forward: the norm's output is rounded to the tensor dtype (the separate path stores it), the pe channels
+(the trailing ``2 * cos.shape[-1]``) are rotated from it in fp32 and rounded once more; ``r = rsqrt(mean(x^2)
++ eps)`` (fp32, per row) is kept for the backward. Backward: the RoPE gradient of ``dy`` (the opposite
+rotation rounded to the dtype, every channel ``+ 0.0``: ``fleet_ext.ops.rope.kernel.rope_grad``) is formed
+in registers and fed to the norm's gradient (``fleet_ext.ops.q_rms_norm.kernel_bwd``, times the gain for kv);
+kv's gain gradient ``dw = sum over rows of g * (x * r)`` comes from the same launch (``kernel_bwd.py``).
+
+**Orders.** The row sums follow an :class:`~fleet_ext.ops.q_rms_norm.kernel_order.Order`, as in the q norm:
+Paddle CPU's (sequential) in the interpreter, torch CUDA's on a GPU. On the CPU the rsqrt stays Paddle's
+(its vectorised estimate depends on the element's position, see ``fleet_ext.ops.q_rms_norm.kernel``), so the
+forward there is the q norm's statistics launch, Paddle's ``rsqrt`` on the ``[.., 1]`` tensor, and this
+op's apply launch (norm output and rotation together); the backward is one launch. On a GPU the forward is
+one launch. ``dw``: Paddle CPU's order (one sequential sum from 0 over all rows) in the interpreter; on a GPU
+a fixed blocked order (deterministic, not torch's; ``tolerance`` in the registry) with a second, small launch
+(``_dw_reduce_kernel``) adding the row segments' partials in order when there is more than one segment.
+
+Framework-agnostic (Paddle or torch tensors through :mod:`fleet_ext.ops.launch`); imports neither.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import triton
+
+from fleet_ext.ops.launch import (
+    Plan,
+    detached,
+    dtype_name,
+    empty_like,
+    launch,
+    layout_key,
+    plan_cache,
+    shape_of,
+    strides_of,
+)
+from fleet_ext.ops.q_rms_norm import kernel as q_kernel
+from fleet_ext.ops.q_rms_norm.kernel_order import Order, paddle_cpu_order, torch_cuda_order
+from fleet_ext.ops.qkv_prologue.kernel_bwd import _dw_reduce_kernel, _norm_rope_bwd_kernel
+from fleet_ext.ops.qkv_prologue.kernel_fwd import _norm_rope_fwd_kernel
+from fleet_ext.ops.rope import kernel as rope_kernel
+
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+PHASE_APPLY, PHASE_FUSED = 1, 2
+# Launch geometry of the GPU path: the q norm's tuned one-pass defaults (same row width, same order) unless
+# TUNE overrides them (the benchmark's sweep); the gain-gradient programs: BLOCK_C columns, DW_ROWS rows a step
+# (a small tile: the kernel's register budget is the larger of its two program kinds'), about DW_PROGRAMS programs
+# in all (row segments x column blocks); the segment reduction sums DW_REDUCE_SEGMENTS segments a step.
+TUNE: dict = {}
+DW_BLOCK_C, DW_ROWS, DW_PROGRAMS, DW_REDUCE_SEGMENTS = 64, 8, 1024, 32
+
+
+def is_interpreted() -> bool:
+    return type(_norm_rope_fwd_kernel).__name__ == "InterpretedFunction"
+
+
+def default_order(x: Any) -> Order:
+    """The order of the eager path replaced here: Paddle CPU when interpreted, torch CUDA over the rows else."""
+    if is_interpreted():
+        return paddle_cpu_order()
+    shape = shape_of(x)
+    rows = 1
+    for n in shape[:-1]:
+        rows *= n
+    return torch_cuda_order(rows, shape[-1])
+
+
+def _geometry(x: Any) -> tuple[list[int], list[int]]:
+    """[b, s, h, d] and its strides; kv [b, s, d] as one head (h = 1)."""
+    shape, strides = shape_of(x), strides_of(x)
+    if len(shape) == 3:
+        return [shape[0], shape[1], 1, shape[2]], [strides[0], strides[1], 0, strides[2]]
+    return shape, strides
+
+
+def check_args(x: Any, cos: Any, sin: Any, weight: Any = None, fn: str = "q_norm_rope") -> int:
+    """x [b, s, h, d] (q) or [b, s, d] with a gain [d] (kv), a float dtype; the RoPE's table checks. Returns rd/2."""
+    want = 3 if weight is not None else 4
+    layout = "[b, s, d]" if weight is not None else "[b, s, h, d]"
+    if x.ndim != want or dtype_name(x) not in FLOAT_DTYPES:
+        raise ValueError(f"{fn}: `x` must be {layout} float ({', '.join(FLOAT_DTYPES)}), got {dtype_name(x)} "
+                         f"{shape_of(x)}")
+    if weight is not None and (shape_of(weight) != [shape_of(x)[-1]] or dtype_name(weight) != "float32"):
+        raise ValueError(f"{fn}: `weight` must be float32 [{shape_of(x)[-1]}] (the gain of the last axis), "
+                         f"got {dtype_name(weight)} {shape_of(weight)}")
+    return rope_kernel.check_args(x, cos, sin, fn)
+
+
+def _tables(cos: Any, sin: Any, batch: int) -> list[int]:
+    return [*rope_kernel._table_strides(cos, batch), *rope_kernel._table_strides(sin, batch)]
+
+
+def _config(d: int, order: Order, phase: int, backward: bool) -> dict:
+    one_pass = q_kernel._one_pass(d, order, phase)
+    chunk = order.lanes * order.nacc
+    if is_interpreted():  # numpy per op: few, large programs
+        block_r, warps = 64, 4
+    elif one_pass:
+        key = "bwd" if backward else "fwd"
+        rows_128 = int(TUNE.get(f"{key}_rows", q_kernel.BWD_ROWS if backward else q_kernel.FWD_ROWS))
+        warps = int(TUNE.get(f"{key}_warps", q_kernel.BWD_WARPS if backward else q_kernel.FWD_WARPS))
+        block_r = max(1, min(64, rows_128 * 128 // chunk))
+    else:
+        block_r, warps = max(1, min(64, 2048 // chunk)), 4
+    block_d = triton.next_power_of_2(d) if is_interpreted() else min(triton.next_power_of_2(d), 256)
+    return dict(BLOCK_R=block_r, BLOCK_D=block_d, LANES=order.lanes, NACC=order.nacc, ACC_INNER=order.acc_inner,
+                HALVING=order.halving, ONE_PASS=one_pass, STREAM=bool(TUNE.get("stream", q_kernel.STREAM)),
+                num_warps=warps)
+
+
+# Plans per (layouts, phase, eps, order, launch defaults): checks, order and configuration run once per key
+# (``fleet_ext.ops.launch``: host cost); a repeat call allocates and launches.
+_FWD_PLANS = plan_cache("qkv_prologue")
+_BWD_PLANS = plan_cache("qkv_prologue (backward)")
+
+
+def _key(t: Any) -> Any:
+    return None if t is None else layout_key(t)
+
+
+def _tuning() -> tuple:
+    """The module-level launch defaults a plan depends on (the benchmark's sweep changes them)."""
+    return (tuple(TUNE.items()) if TUNE else (), DW_BLOCK_C, DW_ROWS, DW_PROGRAMS, DW_REDUCE_SEGMENTS,
+            q_kernel._tuning(), is_interpreted())
+
+
+def _prepare_fwd(key: tuple, x: Any, r: Any, cos: Any, sin: Any, weight: Any, phase: int, eps: float,
+                 order: Order | None) -> Plan:
+    """Check (the same checks, order and messages as an uncached call) and plan the forward launch.
+    ``info``: (the row statistics' shape, fp32 in x's framework)."""
+    if phase == PHASE_APPLY:
+        _check_r(x, r, "norm_rope_apply")
+    half = check_args(x, cos, sin, weight, "kv_norm_rope" if weight is not None else "q_norm_rope")
+    order = paddle_cpu_order() if phase == PHASE_APPLY else (order or default_order(x))
+    shape, strides = _geometry(x)
+    b, s, h, d = shape
+    rows = b * s * h
+    info = (_rows_shape(x), q_kernel._float32_of(x))
+    if rows == 0 or d == 0:
+        return _FWD_PLANS.add(key, Plan(None, info=info))
+    cfg = _config(d, order, phase, backward=False)
+    step = q_kernel._row_stride(shape, strides)
+    if step is not None:
+        strides[2] = step
+    meta = dict(D=d, NOPE=d - 2 * half, PHASE=phase, FLAVOR=order.flavor, HAS_W=weight is not None,
+                DOWNCAST=dtype_name(x) != "float32", FLAT_ROWS=step is not None, USE_PTX=rope_kernel.USE_PTX,
+                enable_fp_fusion=False, **cfg)
+    scalars = (rows, s, h, *strides, *_tables(cos, sin, b), float(order.mean_factor), float(eps))
+    return _FWD_PLANS.add(key, Plan((triton.cdiv(rows, cfg["BLOCK_R"]),), scalars, meta, info))
+
+
+def _forward_plan(x: Any, r: Any, cos: Any, sin: Any, weight: Any, phase: int, eps: float,
+                  order: Order | None) -> Plan:
+    key = (layout_key(x), _key(r), layout_key(cos), layout_key(sin), _key(weight), phase, eps, order, _tuning())
+    return _FWD_PLANS.get(key) or _prepare_fwd(key, x, r, cos, sin, weight, phase, eps, order)
+
+
+def _forward(plan: Plan, x: Any, r: Any, cos: Any, sin: Any, weight: Any) -> Any:
+    y = empty_like(x)
+    if plan.grid is not None:
+        launch(_norm_rope_fwd_kernel, plan.grid,
+               detached(x), y, detached(r), detached(weight if weight is not None else x), detached(cos),
+               detached(sin), *plan.scalars, bound=plan.bound, **plan.meta)
+    return y
+
+
+def _rows_shape(x: Any) -> list[int]:
+    """The per-row statistics' shape: [b, s, h, 1] (q) or [b, s, 1] (kv), as the reference's keepdim mean."""
+    return shape_of(x)[:-1] + [1]
+
+
+def _check_r(x: Any, r: Any, fn: str) -> None:
+    if shape_of(r) != _rows_shape(x) or dtype_name(r) != "float32" or not r.is_contiguous():
+        raise ValueError(f"{fn}: `r` must be a contiguous float32 {_rows_shape(x)}, got {dtype_name(r)} {shape_of(r)}")
+
+
+def norm_rope_apply(x: Any, r: Any, cos: Any, sin: Any, weight: Any = None) -> Any:
+    """``rope(norm(x))`` given the norm's ``r = rsqrt(mean(x^2) + eps)`` (the CPU path); a new contiguous tensor."""
+    return _forward(_forward_plan(x, r, cos, sin, weight, PHASE_APPLY, 0.0, None), x, r, cos, sin, weight)
+
+
+def norm_rope_fused(x: Any, eps: float, cos: Any, sin: Any, weight: Any = None,
+                    order: Order | None = None) -> tuple[Any, Any]:
+    """One launch: ``(y, r)`` with ``r = rsqrt(mean(x^2) + eps)`` summed in ``order`` and ``y = rope(norm(x))``."""
+    plan = _forward_plan(x, None, cos, sin, weight, PHASE_FUSED, eps, order)
+    r = empty_like(x, shape=plan.info[0], dtype=plan.info[1])
+    return _forward(plan, x, r, cos, sin, weight), r
+
+
+def _dw_plan(rows: int, d: int) -> tuple[int, int, int, int]:
+    """(BLOCK_C, DW_ROWS, segments, rows per segment) of the gain programs: one sequential segment when
+    interpreted (Paddle CPU's order), else enough segments for about ``DW_PROGRAMS`` programs."""
+    if is_interpreted():
+        return triton.next_power_of_2(d), 1, 1, max(rows, 1)
+    block_c = min(int(TUNE.get("dw_block_c", DW_BLOCK_C)), triton.next_power_of_2(d))
+    step = int(TUNE.get("dw_rows", DW_ROWS))
+    ncol = triton.cdiv(d, block_c)
+    seg_rows = max(step, triton.cdiv(triton.cdiv(rows, max(1, int(TUNE.get("dw_programs", DW_PROGRAMS)) // ncol)),
+                                     step) * step)
+    return block_c, step, triton.cdiv(rows, seg_rows), seg_rows
+
+
+def _prepare_bwd(key: tuple, dy: Any, x: Any, r: Any, cos: Any, sin: Any, weight: Any, order: Order | None) -> Plan:
+    """Check (same order and messages as an uncached call) and plan the backward launch and, for kv with more
+    than one row segment, the gain's reduce. ``info``: (d, fp32 dtype, segments, the reduce's plan or None)."""
+    check_args(x, cos, sin, weight, "norm_rope (backward)")
+    if shape_of(dy) != shape_of(x) or dtype_name(dy) != dtype_name(x):
+        raise ValueError(f"norm_rope (backward): `dy` must be {dtype_name(x)} {shape_of(x)} like x, "
+                         f"got {dtype_name(dy)} {shape_of(dy)}")
+    _check_r(x, r, "norm_rope (backward)")
+    order = order or default_order(x)
+    (b, s, h, d), x_strides = _geometry(x)
+    _, g_strides = _geometry(dy)
+    rows = b * s * h
+    fp32 = q_kernel._float32_of(x)
+    if rows == 0 or d == 0:
+        return _BWD_PLANS.add(key, Plan(None, info=(d, fp32, 0, None)))
+    cfg = _config(d, order, PHASE_FUSED, backward=True)
+    x_step, g_step = q_kernel._row_stride([b, s, h, d], x_strides), q_kernel._row_stride([b, s, h, d], g_strides)
+    flat = x_step is not None and g_step is not None
+    if flat:
+        x_strides[2], g_strides[2] = x_step, g_step
+    block_c, dw_rows, n_seg, seg_rows = _dw_plan(rows, d) if weight is not None else (1, 1, 0, 1)
+    n_dw = n_seg * triton.cdiv(d, block_c)
+    meta = dict(D=d, NOPE=d - 2 * int(cos.shape[-1]), FLAVOR=order.flavor, HAS_W=weight is not None,
+                DOWNCAST=dtype_name(x) != "float32", FLAT_ROWS=flat, USE_PTX=rope_kernel.USE_PTX,
+                BLOCK_C=block_c, DW_ROWS=dw_rows, enable_fp_fusion=False, **cfg)
+    scalars = (rows, seg_rows, n_dw, s, h, *x_strides, *g_strides, *_tables(cos, sin, b), float(order.inv_d))
+    reduce = None
+    if n_seg > 1:
+        block_s = min(int(TUNE.get("dw_reduce_segments", DW_REDUCE_SEGMENTS)), triton.next_power_of_2(n_seg))
+        reduce = Plan((triton.cdiv(d, block_c),), (n_seg,), dict(D=d, BLOCK_C=block_c, BLOCK_S=block_s))
+    grid = (n_dw + triton.cdiv(rows, cfg["BLOCK_R"]),)
+    return _BWD_PLANS.add(key, Plan(grid, scalars, meta, (d, fp32, n_seg, reduce)))
+
+
+def norm_rope_bwd(dy: Any, x: Any, r: Any, cos: Any, sin: Any, weight: Any = None,
+                  order: Order | None = None) -> tuple[Any, Any]:
+    """``(dx, dw)``: the gradients for ``x`` (new contiguous, like x) and, with a gain, for it (fp32 [d]; else
+    None), given ``dy`` (like x, any strides) and the forward's ``r``."""
+    key = (layout_key(dy), layout_key(x), layout_key(r), layout_key(cos), layout_key(sin), _key(weight), order,
+           _tuning())
+    plan = _BWD_PLANS.get(key) or _prepare_bwd(key, dy, x, r, cos, sin, weight, order)
+    d, fp32, n_seg, reduce = plan.info
+    dx = empty_like(x)
+    dw = empty_like(x, shape=[d], dtype=fp32) if weight is not None else None
+    if plan.grid is None:
+        if dw is not None:
+            dw.zero_()  # a sum over no rows
+        return dx, dw
+    part = dw if n_seg <= 1 else empty_like(dw, shape=[n_seg, d])
+    launch(
+        _norm_rope_bwd_kernel, plan.grid,
+        detached(x), detached(dy), detached(r), dx, detached(weight if weight is not None else x),
+        part if part is not None else detached(r), detached(cos), detached(sin), *plan.scalars,
+        bound=plan.bound, **plan.meta,
+    )
+    if reduce is not None:
+        launch(_dw_reduce_kernel, reduce.grid, part, dw, *reduce.scalars, bound=reduce.bound, **reduce.meta)
+    return dx, dw

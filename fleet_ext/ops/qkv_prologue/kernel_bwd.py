@@ -1,0 +1,252 @@
+"""Device code of the prologue backward: RoPE gradient, norm gradient and (kv) the gain's gradient, one launch.
+
+Row programs: ``g`` = the RoPE gradient of ``dy`` (in registers, as the RoPE gradient kernel would store
+it), times the gain for kv, then the norm's gradient in the eager path's order and flavour
+(``fleet_ext.ops.q_rms_norm.kernel_bwd``). Gain programs (kv only; the first ``n_dw`` programs of the grid,
+so they run alongside the row programs): ``dw = sum over rows of g * (x * r)`` for a block of columns, in a
+fixed order: rows in steps of ``DW_ROWS`` into ``[DW_ROWS, BLOCK_C]`` accumulators, each step added in row
+order, the accumulators then summed by ``tl.sum``; with several row segments each writes its partial and
+``_dw_reduce_kernel`` adds them in a fixed order. ``DW_ROWS = 1`` with one segment is Paddle CPU's order
+(one sequential sum from 0 over the rows). No atomics: the result is the same run to run. Device code only.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from fleet_ext.ops.q_rms_norm.kernel_bwd import _d_sq, _dx_tile
+from fleet_ext.ops.q_rms_norm.kernel_common import _combine, _put, _row_offsets, _tile
+from fleet_ext.ops.qkv_prologue.kernel_common import _grad_cols, _table_offsets, _weighted
+
+
+@triton.jit
+def _g_tile(
+    g_ptr, T: tl.constexpr, g_row, g_sd, row_mask, w_ptr, cos_ptr, sin_ptr, tab_c, tab_s, c_sk, n_sk,
+    C: tl.constexpr, NOPE: tl.constexpr, D: tl.constexpr, HAS_W: tl.constexpr, DOWNCAST: tl.constexpr,
+    USE_PTX: tl.constexpr, STREAM: tl.constexpr,
+):
+    """Chunk T of the gradient reaching the normalised value (RoPE gradient, times the gain for kv)."""
+    col = T * C + tl.arange(0, C)
+    g = _tile(g_ptr, g_row, g_sd, row_mask, T, C, D, STREAM)
+    g = _grad_cols(g, g_ptr, g_row, g_sd, col, row_mask, cos_ptr, sin_ptr, tab_c, tab_s, c_sk, n_sk, NOPE, D,
+                   (T + 1) * C > NOPE, g_ptr.dtype.element_ty, DOWNCAST, USE_PTX)
+    return _weighted(g, w_ptr, col, D, HAS_W)
+
+
+@triton.jit
+def _bwd_one_pass(
+    x_ptr, g_ptr, dx_ptr, w_ptr, cos_ptr, sin_ptr, rows, row_mask, x_row, g_row, x_sd, g_sd, r, inv_d,
+    tab_c, tab_s, c_sk, n_sk, D: tl.constexpr, NOPE: tl.constexpr, BLOCK_R: tl.constexpr, LANES: tl.constexpr,
+    ACC_INNER: tl.constexpr, HALVING: tl.constexpr, FLAVOR: tl.constexpr, HAS_W: tl.constexpr,
+    DOWNCAST: tl.constexpr, USE_PTX: tl.constexpr, STREAM: tl.constexpr,
+):
+    """Torch order: each row of ``dy`` and ``x`` read once (plus the pe partners), its chunks in registers."""
+    C: tl.constexpr = LANES * 4
+    NT: tl.constexpr = (D + C - 1) // C
+    g0 = _g_tile(g_ptr, 0, g_row, g_sd, row_mask, w_ptr, cos_ptr, sin_ptr, tab_c, tab_s, c_sk, n_sk, C, NOPE, D,
+                 HAS_W, DOWNCAST, USE_PTX, STREAM)
+    x0 = _tile(x_ptr, x_row, x_sd, row_mask, 0, C, D, STREAM)
+    acc = tl.zeros([BLOCK_R, C], dtype=tl.float32) + g0 * x0  # the identity 0 first: -0 products become +0
+    if NT > 1:
+        g1 = _g_tile(g_ptr, 1, g_row, g_sd, row_mask, w_ptr, cos_ptr, sin_ptr, tab_c, tab_s, c_sk, n_sk, C, NOPE,
+                     D, HAS_W, DOWNCAST, USE_PTX, STREAM)
+        x1 = _tile(x_ptr, x_row, x_sd, row_mask, 1, C, D, STREAM)
+        acc = acc + g1 * x1
+    if NT > 2:
+        g2 = _g_tile(g_ptr, 2, g_row, g_sd, row_mask, w_ptr, cos_ptr, sin_ptr, tab_c, tab_s, c_sk, n_sk, C, NOPE,
+                     D, HAS_W, DOWNCAST, USE_PTX, STREAM)
+        x2 = _tile(x_ptr, x_row, x_sd, row_mask, 2, C, D, STREAM)
+        acc = acc + g2 * x2
+    if NT > 3:
+        g3 = _g_tile(g_ptr, 3, g_row, g_sd, row_mask, w_ptr, cos_ptr, sin_ptr, tab_c, tab_s, c_sk, n_sk, C, NOPE,
+                     D, HAS_W, DOWNCAST, USE_PTX, STREAM)
+        x3 = _tile(x_ptr, x_row, x_sd, row_mask, 3, C, D, STREAM)
+        acc = acc + g3 * x3
+    if NT > 4:
+        g4 = _g_tile(g_ptr, 4, g_row, g_sd, row_mask, w_ptr, cos_ptr, sin_ptr, tab_c, tab_s, c_sk, n_sk, C, NOPE,
+                     D, HAS_W, DOWNCAST, USE_PTX, STREAM)
+        x4 = _tile(x_ptr, x_row, x_sd, row_mask, 4, C, D, STREAM)
+        acc = acc + g4 * x4
+    if NT > 5:
+        g5 = _g_tile(g_ptr, 5, g_row, g_sd, row_mask, w_ptr, cos_ptr, sin_ptr, tab_c, tab_s, c_sk, n_sk, C, NOPE,
+                     D, HAS_W, DOWNCAST, USE_PTX, STREAM)
+        x5 = _tile(x_ptr, x_row, x_sd, row_mask, 5, C, D, STREAM)
+        acc = acc + g5 * x5
+    if NT > 6:
+        g6 = _g_tile(g_ptr, 6, g_row, g_sd, row_mask, w_ptr, cos_ptr, sin_ptr, tab_c, tab_s, c_sk, n_sk, C, NOPE,
+                     D, HAS_W, DOWNCAST, USE_PTX, STREAM)
+        x6 = _tile(x_ptr, x_row, x_sd, row_mask, 6, C, D, STREAM)
+        acc = acc + g6 * x6
+    if NT > 7:
+        g7 = _g_tile(g_ptr, 7, g_row, g_sd, row_mask, w_ptr, cos_ptr, sin_ptr, tab_c, tab_s, c_sk, n_sk, C, NOPE,
+                     D, HAS_W, DOWNCAST, USE_PTX, STREAM)
+        x7 = _tile(x_ptr, x_row, x_sd, row_mask, 7, C, D, STREAM)
+        acc = acc + g7 * x7
+    d_sq = _d_sq(_combine(acc, BLOCK_R, LANES, 4, ACC_INNER, HALVING), r, inv_d, D, BLOCK_R, FLAVOR)
+    _put(dx_ptr, rows, _dx_tile(g0, x0, r, d_sq, FLAVOR), row_mask, 0, C, D, DOWNCAST, STREAM)
+    if NT > 1:
+        _put(dx_ptr, rows, _dx_tile(g1, x1, r, d_sq, FLAVOR), row_mask, 1, C, D, DOWNCAST, STREAM)
+    if NT > 2:
+        _put(dx_ptr, rows, _dx_tile(g2, x2, r, d_sq, FLAVOR), row_mask, 2, C, D, DOWNCAST, STREAM)
+    if NT > 3:
+        _put(dx_ptr, rows, _dx_tile(g3, x3, r, d_sq, FLAVOR), row_mask, 3, C, D, DOWNCAST, STREAM)
+    if NT > 4:
+        _put(dx_ptr, rows, _dx_tile(g4, x4, r, d_sq, FLAVOR), row_mask, 4, C, D, DOWNCAST, STREAM)
+    if NT > 5:
+        _put(dx_ptr, rows, _dx_tile(g5, x5, r, d_sq, FLAVOR), row_mask, 5, C, D, DOWNCAST, STREAM)
+    if NT > 6:
+        _put(dx_ptr, rows, _dx_tile(g6, x6, r, d_sq, FLAVOR), row_mask, 6, C, D, DOWNCAST, STREAM)
+    if NT > 7:
+        _put(dx_ptr, rows, _dx_tile(g7, x7, r, d_sq, FLAVOR), row_mask, 7, C, D, DOWNCAST, STREAM)
+
+
+@triton.jit
+def _g_cols(
+    g_ptr, g_row, g_sd, col, row_mask, w_ptr, cos_ptr, sin_ptr, tab_c, tab_s, c_sk, n_sk, NOPE: tl.constexpr,
+    D: tl.constexpr, HAS_W: tl.constexpr, DOWNCAST: tl.constexpr, USE_PTX: tl.constexpr,
+):
+    """The gradient reaching the normalised value on columns ``col`` (any set), read from ``dy``."""
+    mask = row_mask[:, None] & (col < D)[None, :]
+    g = tl.load(g_ptr + g_row[:, None] + col[None, :] * g_sd, mask=mask, other=0.0).to(tl.float32)
+    g = _grad_cols(g, g_ptr, g_row, g_sd, col, row_mask, cos_ptr, sin_ptr, tab_c, tab_s, c_sk, n_sk, NOPE, D,
+                   True, g_ptr.dtype.element_ty, DOWNCAST, USE_PTX)
+    return _weighted(g, w_ptr, col, D, HAS_W)
+
+
+@triton.jit
+def _bwd_streamed(
+    x_ptr, g_ptr, dx_ptr, w_ptr, cos_ptr, sin_ptr, rows, row_mask, x_row, g_row, x_sd, g_sd, r, inv_d,
+    tab_c, tab_s, c_sk, n_sk, D: tl.constexpr, NOPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    LANES: tl.constexpr, NACC: tl.constexpr, ACC_INNER: tl.constexpr, HALVING: tl.constexpr,
+    FLAVOR: tl.constexpr, HAS_W: tl.constexpr, DOWNCAST: tl.constexpr, USE_PTX: tl.constexpr,
+):
+    """Any order, any width: the row sum over chunks of ``LANES * NACC`` columns (the gradient recomputed per
+    chunk), then ``dx`` in ``BLOCK_D``-column steps."""
+    C: tl.constexpr = LANES * NACC
+    acc = tl.zeros([BLOCK_R, C], dtype=tl.float32)
+    for c0 in range(0, D, C):
+        col = c0 + tl.arange(0, C)
+        g = _g_cols(g_ptr, g_row, g_sd, col, row_mask, w_ptr, cos_ptr, sin_ptr, tab_c, tab_s, c_sk, n_sk, NOPE, D,
+                    HAS_W, DOWNCAST, USE_PTX)
+        mask = row_mask[:, None] & (col < D)[None, :]
+        x = tl.load(x_ptr + x_row[:, None] + col[None, :] * x_sd, mask=mask, other=0.0).to(tl.float32)
+        acc = acc + x * g
+    d_sq = _d_sq(_combine(acc, BLOCK_R, LANES, NACC, ACC_INNER, HALVING), r, inv_d, D, BLOCK_R, FLAVOR)
+    out_dtype = dx_ptr.dtype.element_ty
+    for c0 in range(0, D, BLOCK_D):
+        col = c0 + tl.arange(0, BLOCK_D)
+        mask = row_mask[:, None] & (col < D)[None, :]
+        g = _g_cols(g_ptr, g_row, g_sd, col, row_mask, w_ptr, cos_ptr, sin_ptr, tab_c, tab_s, c_sk, n_sk, NOPE, D,
+                    HAS_W, DOWNCAST, USE_PTX)
+        x = tl.load(x_ptr + x_row[:, None] + col[None, :] * x_sd, mask=mask, other=0.0).to(tl.float32)
+        dx = _dx_tile(g, x, r, d_sq, FLAVOR)
+        if DOWNCAST:
+            dx = dx.to(out_dtype, fp_downcast_rounding="rtne")
+        else:
+            dx = dx.to(out_dtype)
+        tl.store(dx_ptr + rows[:, None] * D + col[None, :], dx, mask=mask)
+
+
+@triton.jit
+def _dw_program(
+    pid, x_ptr, g_ptr, r_ptr, dw_ptr, cos_ptr, sin_ptr, n_rows, seg_rows, S, H, x_sb, x_ss, x_sh, x_sd,
+    g_sb, g_ss, g_sh, g_sd, c_sb, c_ss, c_sk, n_sb, n_ss, n_sk, D: tl.constexpr, NOPE: tl.constexpr,
+    BLOCK_C: tl.constexpr, DW_ROWS: tl.constexpr, FLAT_ROWS: tl.constexpr, DOWNCAST: tl.constexpr,
+    USE_PTX: tl.constexpr,
+):
+    """Columns ``BLOCK_C * (pid % NCOL) ..`` of segment ``pid // NCOL``: sum of ``g * (x * r)`` over its rows."""
+    ncol: tl.constexpr = (D + BLOCK_C - 1) // BLOCK_C
+    seg = pid // ncol
+    col = (pid - seg * ncol) * BLOCK_C + tl.arange(0, BLOCK_C)
+    first = seg.to(tl.int64) * seg_rows
+    end = tl.minimum(first + seg_rows, n_rows)
+    acc = tl.zeros([DW_ROWS, BLOCK_C], dtype=tl.float32)
+    for start in range(first, end, DW_ROWS):
+        rows = start + tl.arange(0, DW_ROWS)
+        row_mask = rows < end
+        x_row = _row_offsets(rows, S, H, x_sb, x_ss, x_sh, FLAT_ROWS)
+        g_row = _row_offsets(rows, S, H, g_sb, g_ss, g_sh, FLAT_ROWS)
+        tab_c, tab_s = _table_offsets(rows, S, H, c_sb, c_ss, n_sb, n_ss)
+        g = _g_cols(g_ptr, g_row, g_sd, col, row_mask, x_ptr, cos_ptr, sin_ptr, tab_c, tab_s, c_sk, n_sk, NOPE, D,
+                    False, DOWNCAST, USE_PTX)
+        mask = row_mask[:, None] & (col < D)[None, :]
+        x = tl.load(x_ptr + x_row[:, None] + col[None, :] * x_sd, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(r_ptr + rows, mask=row_mask, other=0.0)
+        acc = acc + g * (x * r[:, None])
+    if DW_ROWS == 1:
+        part = tl.reshape(acc, [BLOCK_C])
+    else:
+        part = tl.sum(acc, axis=0)
+    tl.store(dw_ptr + seg * D + col, part, mask=col < D)
+
+
+@triton.jit
+def _row_program(
+    row_pid, x_ptr, g_ptr, r_ptr, dx_ptr, w_ptr, cos_ptr, sin_ptr, n_rows, S, H, x_sb, x_ss, x_sh, x_sd,
+    g_sb, g_ss, g_sh, g_sd, c_sb, c_ss, c_sk, n_sb, n_ss, n_sk, inv_d, D: tl.constexpr, NOPE: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, LANES: tl.constexpr, NACC: tl.constexpr,
+    ACC_INNER: tl.constexpr, HALVING: tl.constexpr, FLAVOR: tl.constexpr, HAS_W: tl.constexpr,
+    DOWNCAST: tl.constexpr, ONE_PASS: tl.constexpr, FLAT_ROWS: tl.constexpr, STREAM: tl.constexpr,
+    USE_PTX: tl.constexpr,
+):
+    """dx for rows ``BLOCK_R * row_pid ..``."""
+    rows = row_pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_mask = rows < n_rows
+    x_row = _row_offsets(rows, S, H, x_sb, x_ss, x_sh, FLAT_ROWS)
+    g_row = _row_offsets(rows, S, H, g_sb, g_ss, g_sh, FLAT_ROWS)
+    tab_c, tab_s = _table_offsets(rows, S, H, c_sb, c_ss, n_sb, n_ss)
+    r = tl.load(r_ptr + rows, mask=row_mask, other=0.0)
+    if ONE_PASS:
+        _bwd_one_pass(x_ptr, g_ptr, dx_ptr, w_ptr, cos_ptr, sin_ptr, rows, row_mask, x_row, g_row, x_sd, g_sd,
+                      r, inv_d, tab_c, tab_s, c_sk, n_sk, D, NOPE, BLOCK_R, LANES, ACC_INNER, HALVING, FLAVOR,
+                      HAS_W, DOWNCAST, USE_PTX, STREAM)
+    else:
+        _bwd_streamed(x_ptr, g_ptr, dx_ptr, w_ptr, cos_ptr, sin_ptr, rows, row_mask, x_row, g_row, x_sd, g_sd,
+                      r, inv_d, tab_c, tab_s, c_sk, n_sk, D, NOPE, BLOCK_R, BLOCK_D, LANES, NACC, ACC_INNER,
+                      HALVING, FLAVOR, HAS_W, DOWNCAST, USE_PTX)
+
+
+@triton.jit
+def _norm_rope_bwd_kernel(
+    x_ptr, g_ptr, r_ptr, dx_ptr, w_ptr, dw_ptr, cos_ptr, sin_ptr,
+    n_rows, seg_rows, n_dw, S, H,
+    x_sb, x_ss, x_sh, x_sd, g_sb, g_ss, g_sh, g_sd,
+    c_sb, c_ss, c_sk, n_sb, n_ss, n_sk,
+    inv_d,
+    D: tl.constexpr, NOPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    LANES: tl.constexpr, NACC: tl.constexpr, ACC_INNER: tl.constexpr, HALVING: tl.constexpr,
+    FLAVOR: tl.constexpr, HAS_W: tl.constexpr, DOWNCAST: tl.constexpr,
+    ONE_PASS: tl.constexpr, FLAT_ROWS: tl.constexpr, STREAM: tl.constexpr, USE_PTX: tl.constexpr,
+    BLOCK_C: tl.constexpr, DW_ROWS: tl.constexpr,
+):
+    """dx for BLOCK_R rows a program; with HAS_W the first n_dw programs compute the gain's gradient instead."""
+    pid = tl.program_id(0)
+    if HAS_W:
+        if pid < n_dw:
+            _dw_program(pid, x_ptr, g_ptr, r_ptr, dw_ptr, cos_ptr, sin_ptr, n_rows, seg_rows, S, H, x_sb, x_ss,
+                        x_sh, x_sd, g_sb, g_ss, g_sh, g_sd, c_sb, c_ss, c_sk, n_sb, n_ss, n_sk, D, NOPE, BLOCK_C,
+                        DW_ROWS, FLAT_ROWS, DOWNCAST, USE_PTX)
+        else:
+            _row_program(pid - n_dw, x_ptr, g_ptr, r_ptr, dx_ptr, w_ptr, cos_ptr, sin_ptr, n_rows, S, H, x_sb,
+                         x_ss, x_sh, x_sd, g_sb, g_ss, g_sh, g_sd, c_sb, c_ss, c_sk, n_sb, n_ss, n_sk, inv_d, D,
+                         NOPE, BLOCK_R, BLOCK_D, LANES, NACC, ACC_INNER, HALVING, FLAVOR, HAS_W, DOWNCAST,
+                         ONE_PASS, FLAT_ROWS, STREAM, USE_PTX)
+    else:
+        _row_program(pid, x_ptr, g_ptr, r_ptr, dx_ptr, w_ptr, cos_ptr, sin_ptr, n_rows, S, H, x_sb, x_ss, x_sh,
+                     x_sd, g_sb, g_ss, g_sh, g_sd, c_sb, c_ss, c_sk, n_sb, n_ss, n_sk, inv_d, D, NOPE, BLOCK_R,
+                     BLOCK_D, LANES, NACC, ACC_INNER, HALVING, FLAVOR, HAS_W, DOWNCAST, ONE_PASS, FLAT_ROWS,
+                     STREAM, USE_PTX)
+
+
+@triton.jit
+def _dw_reduce_kernel(part_ptr, dw_ptr, n_seg, D: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+    """dw[c] = sum of the segments' partials, one program per column block, in a fixed order: segment s goes to
+    accumulator s % BLOCK_S (segments in increasing order), then ``tl.sum`` over the accumulators."""
+    col = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    seg = tl.arange(0, BLOCK_S)
+    acc = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
+    for s0 in range(0, n_seg, BLOCK_S):
+        mask = ((s0 + seg) < n_seg)[:, None] & (col < D)[None, :]
+        acc = acc + tl.load(part_ptr + (s0 + seg)[:, None] * D + col[None, :], mask=mask, other=0.0)
+    tl.store(dw_ptr + col, tl.sum(acc, axis=0), mask=col < D)

@@ -1,0 +1,319 @@
+"""Time the fused mHC kernels (``use_fused_mhc``) on a GPU against eager torch and ``torch.compile`` of it.
+
+Run on the H200 (torch + Triton, no Paddle), from the repository root:
+
+    python scripts/bench/bench_mhc.py [--out DIR] [--no-sweep] [--no-baselines]
+
+Shape (issue 16 §3): T = 16384 tokens x n = 4 streams x D = 4096, bf16 streams, fp32 mHC parameters and maths,
+20 Sinkhorn iterations. ``eager`` is the Paddle reference's op sequence in torch (``tests/helpers/torch_mhc.py``,
+the GPU tests' mirror), forward and forward + backward (torch autograd); ``compile`` is ``torch.compile`` of the
+same function (its backward through AOTAutograd); ``fused`` calls the kernels' launchers (``kernel.py``), as the
+Paddle PyLayers do. Times are medians of ``triton.testing.do_bench``, bandwidth is compared with a
+device-to-device copy measured in the same run. Each row prints two traffic figures:
+
+- ``floor``: the op's minimum HBM traffic (each tensor it needs read once, each result written once);
+- ``kernel``: what the fused kernels must move by construction. The pre op reads the streams twice (the collapse
+  needs the gates, which need the whole row's projection) and its backward twice more (the gate gradients before
+  the streams' gradient, which carries the parameter gradients' split sums), plus the splits' partial sums; the
+  combine's kernel traffic is its floor.
+
+Goals (issue 16 §3), printed met / missed per row: the fused path >= 1.5 x ``torch.compile``; the memory-bound
+kernels >= 85 % of copy bandwidth (on the kernel traffic, and on the floor). First a probe of the bf16x3
+projection's accuracy at K = 16384 with the two ways of accumulating the tiles (why run 3's bf16 tests failed);
+last, unless ``--no-sweep``, the pre forward and backward under one changed geometry or product mode at a time
+(``kernel.TUNE``), with each variant's largest difference from the defaults' outputs. Also usable as a case
+module of ``bench_fusions.py`` (``--modules bench_mhc``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import triton
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+for _path in (HERE, ROOT, os.path.join(ROOT, "tests")):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+from bench_fusions import copy_bandwidth_gbs, peak_mib  # noqa: E402
+from bench_fusions import median_ms as _median_ms  # noqa: E402
+from helpers import torch_mhc  # noqa: E402
+
+from fleet_ext import capability  # noqa: E402
+
+capability.prepare_triton()
+
+import triton.language as tl  # noqa: E402
+
+from fleet_ext.ops.mhc import kernel  # noqa: E402
+from fleet_ext.ops.mhc.kernel_fwd import _bf16_pieces, _dot3  # noqa: E402
+
+
+def median_ms(fn, fast: bool = False) -> float:
+    """bench_fusions' median (warm-up 50 ms, 300 ms of repeats), or a shorter one for the sweep's many variants."""
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") if fast else _median_ms(fn)
+
+T, N, D, ITERS, EPS = 16384, 4, 4096, 20, 1e-6
+NOUT = (2 + N) * N
+
+
+def _inputs() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    dev, bf16 = "cuda", torch.bfloat16
+    return {
+        "x": torch.randn(T, N, D, device=dev).to(bf16), "f": torch.randn(T, D, device=dev).to(bf16),
+        "fn": 0.02 * torch.randn(NOUT, N * D, device=dev), "base": 0.5 * torch.randn(NOUT, device=dev),
+        "scale": torch.tensor([0.7, 1.3, 2.0], device=dev),
+        "head_fn": 0.02 * torch.randn(N, N * D, device=dev), "head_base": 0.5 * torch.randn(N, device=dev),
+        "head_scale": torch.tensor([1.7], device=dev),
+        "g_post": torch.randn(T, N, device=dev), "g_comb": torch.randn(T, N, N, device=dev),
+        "g_y": torch.randn(T, D, device=dev).to(bf16), "g_out": torch.randn(T, N, D, device=dev).to(bf16),
+    }
+
+
+def _eager_pre(x, fn, base, scale):
+    return torch_mhc.mhc_pre(x, fn, base, scale, ITERS, EPS, EPS)
+
+
+def _eager_head(x, fn, base, scale):
+    return torch_mhc.mhc_head(x, fn, base, scale, EPS, EPS)
+
+
+def _with_backward(forward, inputs: list[torch.Tensor], cotangents: list[torch.Tensor]):
+    """A callable running ``forward`` on leaves that require grad, then torch autograd's backward."""
+    leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
+
+    def step():
+        outs = forward(*leaves)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        return torch.autograd.grad(outs, leaves, cotangents)
+
+    return step
+
+
+def _fused_pre(a, head=False):
+    keys = ("head_fn", "head_base", "head_scale") if head else ("fn", "base", "scale")
+    return kernel.pre_forward(a["x"], *(a[k] for k in keys), ITERS, EPS, EPS, head=head)
+
+
+def _fused_pre_step(a, head=False):
+    keys = ("head_fn", "head_base", "head_scale") if head else ("fn", "base", "scale")
+    post, comb, _, mix, r = _fused_pre(a, head)
+    grads = (None, None) if head else (a["g_post"], a["g_comb"])
+    return kernel.pre_backward(a["x"], *(a[k] for k in keys), mix, r, *grads, a["g_y"], ITERS, EPS, head=head)
+
+
+def _part_bytes(head: bool = False) -> int:
+    """The split projection's partial sums, written and read once: [SPLITS, T, NO] fp32."""
+    splits = kernel._split(N * D, kernel._config("proj", N, D)["SPLITS"], kernel._config("proj", N, D)["BK"])[1]
+    return 2 * splits * T * (16 if head else 32) * 4
+
+
+def _dfn_part_bytes() -> int:
+    """The streams-gradient kernel's splits of g_fn, written and read once: [SPLITS, NO, N D] fp32."""
+    cfg = kernel._config("dx", N, D)
+    return 2 * kernel._split(T, cfg["SPLITS"], cfg["BT"])[1] * 32 * N * D * 4
+
+
+def cases() -> list[dict]:
+    """The rows: (name, eager, fused, floor bytes, kernel bytes)."""
+    a = _inputs()
+    xb, yb = a["x"].numel() * 2, a["f"].numel() * 2  # streams and one [T, D] bf16 tensor
+    small = T * (NOUT + 2 * N * N + 2 * N + 1) * 4  # mix, r, post, comb (and their gradients): fp32 [T, ...]
+    post, comb = _fused_pre(a)[:2]
+    pre_args = [a["x"], a["fn"], a["base"], a["scale"]]
+    head_args = [a["x"], a["head_fn"], a["head_base"], a["head_scale"]]
+    comb_args = [a["x"], a["f"], post, comb]
+    shape = f"X [{T},{N},{D}] bf16, fp32 mHC, {ITERS} Sinkhorn iterations"
+    fwd_kernel = 2 * xb + yb + small + _part_bytes()
+    # backward: the gate pass reads X and g_y, the streams' pass X and g_y (the N streams of a channel tile side
+    # by side: g_y from memory once) and writes g_x; the parameter splits and per-token values on top.
+    bwd_kernel = 3 * xb + 2 * yb + 2 * small + _dfn_part_bytes()
+    return [
+        {"name": "mhc pre fwd", "shape": shape, "eager": lambda: _eager_pre(*pre_args),
+         "fused": lambda: _fused_pre(a), "bytes_moved": xb + yb + small, "kernel_bytes": fwd_kernel},
+        {"name": "mhc head fwd", "shape": shape, "eager": lambda: _eager_head(*head_args),
+         "fused": lambda: _fused_pre(a, head=True), "bytes_moved": xb + yb,
+         "kernel_bytes": 2 * xb + yb + _part_bytes(head=True)},
+        {"name": "mhc combine fwd", "shape": shape, "eager": lambda: torch_mhc.mhc_combine(*comb_args),
+         "fused": lambda: kernel.combine_forward(*comb_args), "bytes_moved": 2 * xb + yb, "kernel_bytes": 2 * xb + yb},
+        {"name": "mhc pre fwd+bwd", "shape": shape,
+         "eager": _with_backward(_eager_pre, pre_args, [a["g_post"], a["g_comb"], a["g_y"]]),
+         "fused": lambda: _fused_pre_step(a), "bytes_moved": 3 * xb + 2 * yb + 3 * small,
+         "kernel_bytes": fwd_kernel + bwd_kernel},
+        {"name": "mhc combine fwd+bwd", "shape": shape,
+         "eager": _with_backward(torch_mhc.mhc_combine, comb_args, [a["g_out"]]),
+         "fused": lambda: kernel.combine_backward(*comb_args, kernel.combine_forward(*comb_args)),
+         "bytes_moved": 5 * xb + 3 * yb, "kernel_bytes": 5 * xb + 3 * yb},
+    ]
+
+
+def run(case: dict, copy_gbs: float, baselines: bool = True) -> dict:
+    row = {k: case[k] for k in ("name", "shape", "bytes_moved", "kernel_bytes")}
+    row["eager_us"] = 1e3 * median_ms(case["eager"]) if baselines else None
+    row["compile_us"], row["compile_error"] = None, "not run (--no-baselines)"
+    try:
+        if baselines:
+            compiled = torch.compile(case["eager"])
+            compiled()
+            row["compile_us"], row["compile_error"] = 1e3 * median_ms(compiled), None
+    except Exception as exc:  # reported, not hidden
+        row["compile_us"], row["compile_error"] = None, f"{type(exc).__name__}: {exc}"[:300]
+    row["fused_us"] = 1e3 * median_ms(case["fused"])
+    seconds = row["fused_us"] * 1e-6
+    row["floor_pct_copy"] = 100 * case["bytes_moved"] / seconds / 1e9 / copy_gbs
+    row["kernel_pct_copy"] = 100 * case["kernel_bytes"] / seconds / 1e9 / copy_gbs
+    row["eager_peak_mib"] = peak_mib(case["eager"]) if baselines else float("nan")
+    row["fused_peak_mib"] = peak_mib(case["fused"])
+    return row
+
+
+def goals(row: dict) -> list[str]:
+    out = []
+    if row["compile_us"] is not None:
+        ratio = row["compile_us"] / row["fused_us"]
+        out.append(f"{'met' if ratio >= 1.5 else 'missed'}: {ratio:.2f}x torch.compile (goal >= 1.5x)")
+    else:
+        out.append(f"n/a: torch.compile failed ({row['compile_error']})")
+    for label in ("kernel", "floor"):
+        pct = row[f"{label}_pct_copy"]
+        out.append(f"{'met' if pct >= 85 else 'missed'}: {pct:.1f}% of copy on the {label} traffic (goal >= 85%)")
+    return out
+
+
+# One kernel's geometry (or one product mode) changed at a time from the defaults (kernel.GPU_CONFIG / PRODUCTS),
+# timed through the op it belongs to (the pre forward, or the pre backward) and checked against the defaults'
+# outputs (a variant that computes something else shows a large "diff").
+SWEEP: list[tuple[str, str, dict]] = [
+    *(("fwd", f"proj {c}", {"proj": c}) for c in (
+        {"SPLITS": 4}, {"SPLITS": 16}, {"BT": 64, "num_warps": 4}, {"BT": 256}, {"BK": 128}, {"num_warps": 4})),
+    *(("fwd", f"pre_fwd {c}", {"pre_fwd": c}) for c in ({"BT": 4, "BD": 512, "num_warps": 8}, {"BT": 16, "BD": 128})),
+    ("bwd", "pre_bwd {'BT': 4, 'BD': 512, 'num_warps': 8}", {"pre_bwd": {"BT": 4, "BD": 512, "num_warps": 8}}),
+    *(("bwd", f"dx {c}", {"dx": c}) for c in (
+        {"BT": 16, "num_warps": 4}, {"BD": 64, "num_warps": 4}, {"SPLITS": 4}, {"SPLITS": 16})),
+    ("bwd", "gx tf32x3", {"gx": "tf32x3"}),
+]
+
+
+def _rel_diff(got: tuple, want: tuple) -> float:
+    return max(float((g.float() - w.float()).abs().max() / w.float().abs().max().clamp_min(1e-30))
+               for g, w in zip(got, want))
+
+
+def sweep() -> list[tuple[str, str, float, float]]:
+    """(op, variant, µs, max relative difference from the defaults' outputs), defaults first."""
+    a = _inputs()
+    post, comb, _, mix, r = _fused_pre(a)
+
+    def fwd():
+        return _fused_pre(a)[:3]
+
+    def bwd():
+        return kernel.pre_backward(a["x"], a["fn"], a["base"], a["scale"], mix, r, a["g_post"], a["g_comb"],
+                                   a["g_y"], ITERS, EPS)[:2]
+
+    calls = {"fwd": fwd, "bwd": bwd}
+    kernel.TUNE.clear()
+    base = {op: call() for op, call in calls.items()}
+    rows = [(op, "defaults", 1e3 * median_ms(call, fast=True), 0.0) for op, call in calls.items()]
+    for op, label, tune in SWEEP:
+        kernel.TUNE.clear()
+        kernel.TUNE.update(tune)
+        try:
+            diff = _rel_diff(calls[op](), base[op])
+            rows.append((op, label, 1e3 * median_ms(calls[op], fast=True), diff))
+        except Exception as exc:  # a geometry that does not compile is reported
+            rows.append((op, f"{label}: {type(exc).__name__}: {str(exc)[:120]}", float("nan"), float("nan")))
+        print(f"  ({op} {rows[-1][2]:8.1f} us  diff {rows[-1][3]:.1e}  {rows[-1][1]})", flush=True)
+    kernel.TUNE.clear()
+    return rows
+
+
+@triton.jit
+def _accumulation_probe(x_ptr, w_ptr, out_ptr, K: tl.constexpr, NO: tl.constexpr, BT: tl.constexpr,
+                        BK: tl.constexpr, FRESH: tl.constexpr):
+    """x [T, K] bf16 @ w [NO, K]^T fp32 as three bf16 products per tile, accumulated either in the tensor cores'
+    accumulator across all tiles (FRESH False) or per tile in a fresh one and then added in fp32 (FRESH True)."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    c = tl.arange(0, NO)
+    acc = tl.zeros([BT, NO], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + tl.arange(0, BK)
+        x = tl.load(x_ptr + t[:, None] * K + k[None, :])
+        hi, mid, lo = _bf16_pieces(tl.load(w_ptr + c[None, :] * K + k[:, None]))
+        if FRESH:
+            acc += _dot3(x, hi, mid, lo)
+        else:
+            acc = tl.dot(x, lo, acc)
+            acc = tl.dot(x, mid, acc)
+            acc = tl.dot(x, hi, acc)
+    tl.store(out_ptr + t[:, None] * NO + c[None, :], acc)
+
+
+def accumulation_probe() -> dict[str, float]:
+    """The projection's error vs float64 at K = n D = 16384 (bf16 x, fp32 fn as in V4), both accumulations:
+    max |error| / max |x fn^T|, and the mean signed error over the mean |x fn^T| (a bias)."""
+    torch.manual_seed(0)
+    x = torch.randn(1024, N * D, device="cuda").to(torch.bfloat16)
+    w = 0.1 * torch.randn(32, N * D, device="cuda")
+    want = x.double() @ w.double().T
+    out = {}
+    for fresh in (False, True):
+        got = torch.empty(1024, 32, device="cuda")
+        _accumulation_probe[(1024 // 64,)](x, w, got, K=N * D, NO=32, BT=64, BK=64, FRESH=fresh, num_warps=4)
+        err = got.double() - want
+        tag = "fresh" if fresh else "running"
+        out[f"{tag}_max_rel"] = float(err.abs().max() / want.abs().max())
+        out[f"{tag}_bias_rel"] = float((err * want.sign()).mean() / want.abs().mean())
+    return out
+
+
+def _print_row(r: dict) -> None:
+    comp = "n/a" if r["compile_us"] is None else f"{r['compile_us']:.1f}"
+    eager = "n/a" if r["eager_us"] is None else f"{r['eager_us']:.1f}"
+    print(f"{r['name']:22} {eager:>9} {comp:>10} {r['fused_us']:9.1f} {r['kernel_pct_copy']:12.1f} "
+          f"{r['floor_pct_copy']:11.1f} {r['eager_peak_mib']:6.0f}/{r['fused_peak_mib']:<6.0f}", flush=True)
+    for line in goals(r):
+        print(f"    {line}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--no-baselines", action="store_true", help="time the fused kernels only")
+    args = parser.parse_args()
+    props = torch.cuda.get_device_properties(0)
+    copy_gbs = copy_bandwidth_gbs()
+    print(f"{props.name}, sm{props.major}{props.minor}, torch {torch.__version__}, triton {triton.__version__}")
+    print(f"device copy: {copy_gbs:.0f} GB/s (read + write); T={T} n={N} D={D} bf16, {ITERS} Sinkhorn iterations")
+    print(f"defaults: {kernel.GPU_CONFIG} {kernel.PRODUCTS}", flush=True)
+    result = {"gpu": props.name, "copy_gbs": copy_gbs, "defaults": kernel.GPU_CONFIG, "products": kernel.PRODUCTS}
+    result["accumulation_probe"] = probe = accumulation_probe()
+    print("bf16x3 projection at K = 16384 vs float64 (max |err| / max |ref|; bias): tensor-core accumulator "
+          f"across tiles {probe['running_max_rel']:.2e}; {probe['running_bias_rel']:+.2e}, fresh per tile + fp32 add "
+          f"{probe['fresh_max_rel']:.2e}; {probe['fresh_bias_rel']:+.2e}", flush=True)
+    print(f"{'case':22} {'eager us':>9} {'compile us':>10} {'fused us':>9} {'%copy kernel':>12} {'%copy floor':>11} "
+          f"{'peak MiB e/f':>13}")
+    result["rows"] = rows = []
+    for case in cases():
+        rows.append(run(case, copy_gbs, baselines=not args.no_baselines))
+        _print_row(rows[-1])
+        torch.cuda.empty_cache()
+        with open(os.path.join(args.out, "bench_mhc.json"), "w") as fh:
+            json.dump(result, fh, indent=1)
+    result["sweep"] = [] if args.no_sweep else sweep()
+    with open(os.path.join(args.out, "bench_mhc.json"), "w") as fh:
+        json.dump(result, fh, indent=1)
+    for op, label, us, diff in sorted(result["sweep"], key=lambda r: (r[0], r[2])):
+        print(f"  sweep {op:4} {us:8.1f} us  diff {diff:.1e}  {label}")
+
+
+if __name__ == "__main__":
+    main()

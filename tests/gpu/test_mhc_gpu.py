@@ -1,0 +1,233 @@
+"""Fused mHC kernels on CUDA (torch tensors, bf16 and fp32 streams) vs a float64 oracle and eager torch.
+
+Run on the H200 through the device tool (torch + Triton, no Paddle): ``python -m pytest -q tests/gpu``.
+Skipped without CUDA.
+
+- Forward (pre op with Sinkhorn, head, combine) against the NumPy float64 oracle (``helpers.oracles``) computed
+  from the very same (bf16- or fp32-valued) inputs. fp32 outputs (post, comb; the parameter gradients) use the
+  fp32 ``mhc_fused`` entry (1e-5 of the largest entry) in both runs: with bf16 streams they are the same fp32
+  maths on bf16-exact inputs (the kernels' tile products keep fp32 accuracy, ``kernel_fwd._dot``). bf16 outputs
+  use the bf16 ``mhc_fused`` entry (that plus one rounding to bf16).
+- Gradients of every input against torch float64 autograd of the eager op sequence (``helpers.torch_mhc``,
+  independent of the kernels), the same entries (the gains: ``mhc_fused_gain``, cancelling sums over tokens).
+- Eager torch (the reference's op sequence in the streams' dtype) against the same oracle with the bounds its
+  roundings allow: post, comb and the collapsed input are fp32 maths (rounded once), so the fused entries; the
+  combine rounds post, comb, a product, the GEMM and the sum to bf16, so a per-element bound built from those
+  roundings (``mhc_eager_combine``); and the fused combine (one rounding) is at least as close to float64 as
+  eager's. Planted bugs fail these bounds (negative controls): a 1e-4 bias of the projection (the size of the
+  error that bf16x3 products accumulated in the tensor cores gave), the mixing matrix transposed.
+- Every tile-product mode the launchers offer (``kernel.PRODUCTS``/``TUNE``) within the same entries.
+- Determinism at the production shape (T = 16384 tokens x 4 streams x D = 4096, bf16): forward and backward
+  byte-identical run to run (no atomics).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers import assert_bitwise, assert_close, expect_launches, torch_mhc
+from helpers import oracles as orc
+
+from fleet_ext import capability
+
+capability.prepare_triton()  # a no-op on a GPU; keeps a CPU collection of this file from mis-building kernels
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="CUDA-only kernel tests: they run on the H200 via the device tool (torch + Triton, no Paddle)",
+)
+DEVICE = "cuda"
+ITERS, EPS, NORM_EPS = 20, 1e-6, 1e-6
+NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    from fleet_ext.ops.mhc import kernel as mhc_kernel  # imported only where it will run
+
+    return mhc_kernel
+
+
+def make(tokens, n, d, dtype, seed=0):
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+
+    def randn(*shape, scale=1.0, to=torch.float32):
+        return (torch.randn(shape, generator=gen, device=DEVICE) * scale).to(to)
+
+    nout = (2 + n) * n
+    return {
+        "x": randn(tokens, n, d, to=dtype), "f": randn(tokens, d, to=dtype),
+        "fn": randn(nout, n * d, scale=0.1), "base": randn(nout, scale=0.5),
+        "scale": torch.tensor([0.7, 1.3, 2.0], device=DEVICE),
+        "head_fn": randn(n, n * d, scale=0.1), "head_base": randn(n, scale=0.5),
+        "head_scale": torch.tensor([1.7], device=DEVICE),
+        "g_post": randn(tokens, n), "g_comb": randn(tokens, n, n), "g_y": randn(tokens, d, to=dtype),
+        "g_out": randn(tokens, n, d, to=dtype),
+    }
+
+
+def host(t):
+    return t.detach().double().cpu().numpy()
+
+
+def check(got, want, dtype, what, gain=False):
+    """fp32 tensors against the fp32 entries; bf16 ones (one rounding of fp32 maths) against the bf16 entry."""
+    table = "bf16" if got.dtype == torch.bfloat16 else "fp32"
+    assert_close(got, want, table, "mhc_fused_gain" if gain else "mhc_fused", what=f"{NAMES[dtype]} {what}")
+
+
+PRE_KERNELS = ("_mhc_proj_fwd", "_mhc_pre_fwd")
+PRE_BWD_KERNELS = ("_mhc_pre_bwd", "_mhc_dx_bwd", "_mhc_params_bwd")
+
+
+def _forward(kernel, a):
+    post, comb, y, _, _ = kernel.pre_forward(a["x"], a["fn"], a["base"], a["scale"], ITERS, EPS, NORM_EPS)
+    _, _, head, _, _ = kernel.pre_forward(a["x"], a["head_fn"], a["head_base"], a["head_scale"], ITERS, EPS,
+                                          NORM_EPS, head=True)
+    return post, comb, y, head, kernel.combine_forward(a["x"], a["f"], post, comb)
+
+
+def _oracle_forward(a, post, comb):
+    x = host(a["x"])[None]
+    want_post, want_comb, want_y = orc.hc_pre(x, host(a["fn"]), host(a["base"]), host(a["scale"]), ITERS, EPS,
+                                              NORM_EPS)
+    want_head = orc.hc_head(x, host(a["head_fn"]), host(a["head_base"]), host(a["head_scale"]), EPS, NORM_EPS)
+    want_out = orc.hc_post(x, host(a["f"])[None], host(post)[None], host(comb)[None])
+    return {"post": want_post[0], "comb": want_comb[0], "collapsed": want_y[0], "head": want_head[0],
+            "combine": want_out[0]}
+
+
+def _eager_combine_scale(a, post, comb):
+    """Per element of the combine, |e| + 2 |post f| + 3 sum_j |comb_jk x_j| (float64): what eager's roundings
+    are bounded by, ``mhc_eager_combine`` (tolerances.py)."""
+    x, f, p, c = host(a["x"]), host(a["f"]), host(post), host(comb)
+    e = orc.hc_post(x[None], f[None], p[None], c[None])[0]
+    return np.abs(e) + 2 * np.abs(p[:, :, None] * f[:, None, :]) + 3 * np.einsum("tjk,tjd->tkd", np.abs(c), np.abs(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens, n, d", [(1024, 4, 4096), (77, 4, 100), (33, 3, 64), (5, 1, 16)])
+def test_forward_vs_float64_oracle_and_eager(kernel, tokens, n, d, dtype):
+    a = make(tokens, n, d, dtype, seed=tokens + n + d)
+    with expect_launches(*PRE_KERNELS, exactly=2), expect_launches("_mhc_combine_fwd", exactly=1):
+        post, comb, y, head, out = _forward(kernel, a)
+    want = _oracle_forward(a, post, comb)
+    for what, got in (("post", post), ("comb", comb), ("collapsed", y), ("head", head), ("combine", out)):
+        assert got.dtype == (torch.float32 if what in ("post", "comb") else dtype), what
+        check(got, want[what], dtype, what)
+    # Eager torch, the reference's op sequence, against the same oracle, each output within what its own
+    # roundings allow: post, comb and the collapsed input are fp32 maths (the fused entries).
+    e_post, e_comb, e_y = torch_mhc.mhc_pre(a["x"], a["fn"], a["base"], a["scale"], ITERS, EPS, NORM_EPS)
+    for what, got in (("post", e_post), ("comb", e_comb), ("collapsed", e_y)):
+        check(got, want[what], dtype, f"eager {what}")
+    e_out = torch_mhc.mhc_combine(a["x"], a["f"], post, comb)
+    if dtype == torch.float32:
+        check(e_out, want["combine"], dtype, "eager combine")
+        return
+    assert_close(e_out, want["combine"], "bf16", "mhc_eager_combine", what="eager bf16 combine",
+                 scale=_eager_combine_scale(a, post, comb))
+    fused_err = np.linalg.norm(host(out) - want["combine"])
+    eager_err = np.linalg.norm(host(e_out) - want["combine"])
+    assert fused_err <= eager_err, f"fused combine further from float64 than eager: {fused_err:.3e} > {eager_err:.3e}"
+
+
+def test_planted_bugs_fail_the_bounds(kernel):
+    """Negative controls at V4's width (K = n D = 16384, bf16 streams): a 1e-4 relative bias of the projection
+    (as the tensor cores' accumulation of bf16x3 products gave) fails the fp32 entry on comb; the mixing matrix
+    transposed fails the bf16 entry on the fused combine and the eager bound on eager's."""
+    a = make(256, 4, 4096, torch.bfloat16, seed=5)
+    with expect_launches(*PRE_KERNELS, exactly=1):
+        post, comb, _, _, _ = kernel.pre_forward(a["x"], a["fn"] * (1 - 1e-4), a["base"], a["scale"], ITERS, EPS,
+                                                 NORM_EPS)
+    want = _oracle_forward(a, post, comb)
+    with pytest.raises(AssertionError, match="outside fp32 'mhc_fused'"):
+        check(comb, want["comb"], torch.bfloat16, "planted: projection biased by 1e-4")
+    comb_t = comb.transpose(1, 2).contiguous()
+    with expect_launches("_mhc_combine_fwd", exactly=1):
+        out = kernel.combine_forward(a["x"], a["f"], post, comb_t)
+    with pytest.raises(AssertionError, match="outside bf16 'mhc_fused'"):
+        check(out, want["combine"], torch.bfloat16, "planted: comb transposed (fused)")
+    with pytest.raises(AssertionError, match="outside bf16 'mhc_eager_combine'"):
+        assert_close(torch_mhc.mhc_combine(a["x"], a["f"], post, comb_t), want["combine"], "bf16",
+                     "mhc_eager_combine", what="planted: comb transposed (eager)",
+                     scale=_eager_combine_scale(a, post, comb))
+
+
+def _oracle_grads(a):
+    """Torch float64 autograd of the eager op sequence: gradients of every input of pre + head, and of the combine
+    (on its own inputs: the kernel's fp32 post and comb, the block output f)."""
+    leaves = {k: a[k].detach().double().requires_grad_() for k in
+              ("x", "fn", "base", "scale", "head_fn", "head_base", "head_scale")}
+    post, comb, y = torch_mhc.mhc_pre(leaves["x"], leaves["fn"], leaves["base"], leaves["scale"], ITERS, EPS,
+                                      NORM_EPS, compute=torch.float64)
+    head = torch_mhc.mhc_head(leaves["x"], leaves["head_fn"], leaves["head_base"], leaves["head_scale"], EPS,
+                              NORM_EPS, compute=torch.float64)
+    loss = (post * a["g_post"].double()).sum() + (comb * a["g_comb"].double()).sum() + (y * a["g_y"].double()).sum()
+    (loss + (head * a["g_y"].double()).sum()).backward()
+    combine = {k: a[k].detach().double().requires_grad_() for k in ("x", "f", "post", "comb")}
+    (torch_mhc.mhc_combine(*combine.values()) * a["g_out"].double()).sum().backward()
+    return {k: v.grad for k, v in leaves.items()}, {k: v.grad for k, v in combine.items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens, n, d", [(512, 4, 4096), (77, 4, 100), (33, 3, 64)])
+def test_gradients_vs_float64_autograd(kernel, tokens, n, d, dtype):
+    a = make(tokens, n, d, dtype, seed=7 * tokens + d)
+    post, comb, _, mix, r = kernel.pre_forward(a["x"], a["fn"], a["base"], a["scale"], ITERS, EPS, NORM_EPS)
+    _, _, _, head_mix, head_r = kernel.pre_forward(a["x"], a["head_fn"], a["head_base"], a["head_scale"], ITERS,
+                                                   EPS, NORM_EPS, head=True)
+    a["post"], a["comb"] = post, comb
+    with expect_launches(*PRE_BWD_KERNELS, exactly=2), expect_launches("_mhc_combine_bwd", exactly=1):
+        pre = kernel.pre_backward(a["x"], a["fn"], a["base"], a["scale"], mix, r, a["g_post"], a["g_comb"],
+                                  a["g_y"], ITERS, EPS)
+        hd = kernel.pre_backward(a["x"], a["head_fn"], a["head_base"], a["head_scale"], head_mix, head_r, None,
+                                 None, a["g_y"], ITERS, EPS, head=True)
+        comb_grads = kernel.combine_backward(a["x"], a["f"], post, comb, a["g_out"])
+    want_pre, want_comb = _oracle_grads(a)
+    if dtype == torch.float32:  # bf16: each op's streams gradient is rounded on its own (the next test)
+        check(pre[0] + hd[0], want_pre["x"].cpu().numpy(), dtype, "d streams (pre + head)")
+    for what, got, want in (("d fn", pre[1], want_pre["fn"]), ("d base", pre[2], want_pre["base"]),
+                            ("d head_fn", hd[1], want_pre["head_fn"]), ("d head_base", hd[2], want_pre["head_base"])):
+        check(got, want.cpu().numpy(), dtype, what)
+    check(pre[3], want_pre["scale"].cpu().numpy(), dtype, "d scale", gain=True)
+    check(hd[3], want_pre["head_scale"].cpu().numpy(), dtype, "d head_scale", gain=True)
+    for what, got, want in zip(("d x", "d f", "d post", "d comb"), comb_grads, want_comb.values()):
+        check(got, want.cpu().numpy(), dtype, f"combine {what}")
+
+
+@pytest.mark.parametrize("dot, gx", [("bf16x3", "bf16x3"), ("tf32x3", "bf16x6"), ("bf16x3", "tf32x3")])
+def test_product_modes_in_bf16(kernel, monkeypatch, dot, gx):
+    """Each tile-product mode the launchers offer, at V4's width: the pre op's outputs, its streams gradient
+    (rounded to bf16 once: checked alone, without the head's) and the parameter gradients vs float64."""
+    monkeypatch.setattr(kernel, "TUNE", {"dot": dot, "gx": gx})
+    a = make(256, 4, 4096, torch.bfloat16, seed=3)
+    with expect_launches(*PRE_KERNELS, *PRE_BWD_KERNELS, exactly=1):
+        post, comb, y, mix, r = kernel.pre_forward(a["x"], a["fn"], a["base"], a["scale"], ITERS, EPS, NORM_EPS)
+        g_x, g_fn, g_base, g_scale = kernel.pre_backward(a["x"], a["fn"], a["base"], a["scale"], mix, r, a["g_post"],
+                                                         a["g_comb"], a["g_y"], ITERS, EPS)
+    leaves = [a["x"].detach().double().requires_grad_()] + [a[k].double().requires_grad_() for k in
+                                                            ("fn", "base", "scale")]
+    p, c, yy = torch_mhc.mhc_pre(*leaves, ITERS, EPS, NORM_EPS, compute=torch.float64)
+    ((p * a["g_post"].double()).sum() + (c * a["g_comb"].double()).sum() + (yy * a["g_y"].double()).sum()).backward()
+    for what, got, want in (("post", post, p), ("comb", comb, c), ("collapsed", y, yy), ("d streams (pre)", g_x,
+                            leaves[0].grad), ("d fn", g_fn, leaves[1].grad), ("d base", g_base, leaves[2].grad)):
+        check(got, want.detach().cpu().numpy(), torch.bfloat16, f"{what} [{dot}/{gx}]")
+    check(g_scale, leaves[3].grad.cpu().numpy(), torch.bfloat16, f"d scale [{dot}/{gx}]", gain=True)
+
+
+def test_production_shape_is_deterministic(kernel):
+    a = make(16384, 4, 4096, torch.bfloat16, seed=1)
+
+    def step():
+        post, comb, y, mix, r = kernel.pre_forward(a["x"], a["fn"], a["base"], a["scale"], ITERS, EPS, NORM_EPS)
+        out = kernel.combine_forward(a["x"], a["f"], post, comb)
+        grads = kernel.pre_backward(a["x"], a["fn"], a["base"], a["scale"], mix, r, a["g_post"], a["g_comb"],
+                                    a["g_y"], ITERS, EPS)
+        return (post, comb, y, out, *grads, *kernel.combine_backward(a["x"], a["f"], post, comb, a["g_out"]))
+
+    with expect_launches(*PRE_KERNELS, *PRE_BWD_KERNELS, "_mhc_combine_fwd", "_mhc_combine_bwd", exactly=1):
+        first = step()
+    for _ in range(2):
+        for i, (got, want) in enumerate(zip(step(), first)):
+            assert_bitwise(got, want, f"output {i}, run after run")

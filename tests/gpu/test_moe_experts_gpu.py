@@ -1,0 +1,156 @@
+"""Fused grouped experts on CUDA (torch tensors, bf16 and fp32): vs the float64 oracle, vs an eager torch mirror.
+
+Run on the H200 through the device tool (torch + Triton, no Paddle): ``python -m pytest -q tests/gpu``.
+Skipped without CUDA.
+
+- **vs float64** (``helpers.oracles.grouped_swiglu_experts`` on the same operand values): fp32 within
+  ``grouped_experts`` (1e-5 of each tensor's largest entry; IEEE fp32 dots); bf16 within the bf16
+  ``grouped_experts`` entry (relative Frobenius norm: gate_up, h and the results are rounded to bf16).
+- **vs eager torch** (per-expert ``matmul`` loop with the clamped SwiGLU in the operands' dtype, autograd for
+  the backward): fp32 within ``grouped_experts``, bf16 within ``grouped_experts_vs_eager``.
+- Both launch settings (small groups: many experts; large groups), odd widths (masked tiles), empty experts,
+  one expert taking every row, rows past ``sum(counts)`` (zeros), and run-to-run byte identity of every result
+  (the weight gradients are fixed-order sums, no atomics).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import assert_bitwise, assert_close, expect_launches
+from helpers import oracles as orc
+
+from fleet_ext import capability
+
+capability.prepare_triton()  # a no-op on a GPU; keeps a CPU collection of this file from mis-building kernels
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="CUDA-only kernel tests: they run on the H200 via the device tool (torch + Triton, no Paddle)",
+)
+DEVICE = "cuda"
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+LIMIT = 7.0
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    from fleet_ext.ops.moe_experts import kernel, kernel_bwd  # imported only where they will run
+
+    return kernel, kernel_bwd
+
+
+CASES = {  # name: (counts, D, I, pad rows)
+    "small_groups": ([37, 0, 90, 5, 64, 128, 1, 0, 77, 50, 3, 200, 0, 16, 41, 9], 256, 128, 0),
+    "large_groups": ([700, 0, 1100, 513], 256, 128, 0),
+    "odd_widths": ([33, 0, 70, 9, 120], 200, 72, 0),
+    "one_expert_takes_all": ([0, 0, 300, 0], 128, 64, 0),
+    "rows_past_the_counts": ([40, 0, 25], 128, 64, 19),
+}
+
+
+def make(case: str, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    counts, dim, inter, pad = CASES[case]
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    n, experts = sum(counts) + pad, len(counts)
+    x = (2.0 * torch.randn(n, dim, generator=gen, device=DEVICE)).to(dtype)
+    # fp32: gate_up ~ N(0, 5^2), the clamp at 7 active on ~16 % of the entries. bf16: ~ N(0, 2^2) (a bf16 gate_up
+    # within one ulp of the bound can round to the other side and switch its gradient on or off, an O(1) change
+    # the float64 oracle does not make; the clamp's code is the same for both dtypes).
+    scale = 2.5 if dtype == torch.float32 else 1.0
+    w1 = (torch.randn(experts, dim, 2 * inter, generator=gen, device=DEVICE) * scale / dim**0.5).to(dtype)
+    w2 = (torch.randn(experts, inter, dim, generator=gen, device=DEVICE) / inter**0.5).to(dtype)
+    g = torch.randn(n, dim, generator=gen, device=DEVICE).to(dtype)
+    return x, torch.tensor(counts, dtype=torch.int64, device=DEVICE), w1, w2, g
+
+
+def fused(kernels, x, counts, w1, w2, g) -> dict[str, torch.Tensor]:
+    kernel, kernel_bwd = kernels
+    out, gate_up, _ = kernel.experts_forward(x, counts, w1, w2, LIMIT)
+    d_x, d_w1, d_w2 = kernel_bwd.experts_backward(g, x, counts, w1, w2, gate_up, LIMIT)
+    return {"out": out, "d_rows": d_x, "d_weight1": d_w1, "d_weight2": d_w2}
+
+
+def eager(x, counts, w1, w2, g) -> dict[str, torch.Tensor]:
+    """The reference's op sequence in eager torch: one matmul pair per expert, SwiGLU in the operands' dtype."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, w1, w2)]
+    xs, w1s, w2s = leaves
+    outs, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        gate, up = (xs[start:start + n] @ w1s[e]).chunk(2, dim=-1)
+        h = F.silu(gate.clamp(max=LIMIT)) * up.clamp(-LIMIT, LIMIT)
+        outs.append(h @ w2s[e])
+        start += n
+    outs.append(xs[start:] * 0)  # rows past the counts: zeros
+    out = torch.cat(outs)
+    d_x, d_w1, d_w2 = torch.autograd.grad(out, leaves, g)
+    return {"out": out.detach(), "d_rows": d_x, "d_weight1": d_w1, "d_weight2": d_w2}
+
+
+def oracle(x, counts, w1, w2, g) -> dict:
+    out, d_x, d_w1, d_w2 = orc.grouped_swiglu_experts(x, counts.cpu().numpy(), w1, w2, LIMIT, d_out=g)
+    return {"out": out, "d_rows": d_x, "d_weight1": d_w1, "d_weight2": d_w2}
+
+
+def _check(got: dict, want: dict, dtype: str, name: str, what: str) -> None:
+    for key in want:
+        assert_close(got[key], want[key], dtype, name, what=f"{what}: {key}")
+
+
+class _no_tf32:
+    """fp32 eager matmuls in full fp32 (the fused kernel's fp32 dots are IEEE fp32)."""
+
+    def __enter__(self):
+        self.saved = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+
+    def __exit__(self, *exc):
+        torch.backends.cuda.matmul.allow_tf32 = self.saved
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_forward_and_gradients_vs_the_float64_oracle(kernels, case, dtype):
+    x, counts, w1, w2, g = make(case, DTYPES[dtype])
+    with expect_launches("_grouped_gate_up", "_grouped_d_gate_up", exactly=1), \
+            expect_launches("_grouped_rows_mm", "_grouped_d_weight", exactly=2):
+        got = fused(kernels, x, counts, w1, w2, g)
+    want = oracle(x, counts, w1, w2, g)
+    _check(got, want, dtype, "grouped_experts", f"{case} {dtype} vs float64")
+    pad = CASES[case][3]
+    if pad:
+        assert not got["out"][-pad:].any() and not got["d_rows"][-pad:].any()
+
+
+@pytest.mark.parametrize("case", ["small_groups", "large_groups", "odd_widths"])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_forward_and_gradients_vs_the_eager_torch_mirror(kernels, case, dtype):
+    x, counts, w1, w2, g = make(case, DTYPES[dtype], seed=1)
+    got = fused(kernels, x, counts, w1, w2, g)
+    name = "grouped_experts" if dtype == "fp32" else "grouped_experts_vs_eager"
+    with _no_tf32():
+        want = eager(x, counts, w1, w2, g)
+    _check(got, want, dtype, name, f"{case} {dtype} vs eager torch")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_every_result_is_byte_identical_run_to_run(kernels, dtype):
+    x, counts, w1, w2, g = make("small_groups", DTYPES[dtype], seed=2)
+    first = fused(kernels, x, counts, w1, w2, g)
+    for _ in range(2):
+        again = fused(kernels, x, counts, w1, w2, g)
+        for key in first:
+            assert_bitwise(again[key], first[key], f"{dtype} again: {key}")
+
+
+def test_planted_difference_fails_the_bf16_check(kernels):
+    """Negative control: one row moved across a segment boundary fails the check the tests above pass."""
+    x, counts, w1, w2, g = make("small_groups", torch.bfloat16)
+    want = oracle(x, counts, w1, w2, g)
+    shifted = counts.clone()
+    shifted[0] -= 1
+    shifted[2] += 1  # expert 1 is empty: the row lands in expert 2
+    got = fused(kernels, x, shifted, w1, w2, g)
+    with pytest.raises(AssertionError):
+        _check(got, want, "bf16", "grouped_experts", "planted")
