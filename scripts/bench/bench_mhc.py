@@ -192,11 +192,11 @@ def goals(row: dict) -> list[str]:
 # outputs (a variant that computes something else shows a large "diff").
 SWEEP: list[tuple[str, str, dict]] = [
     *(("fwd", f"proj {c}", {"proj": c}) for c in (
-        {"SPLITS": 4}, {"SPLITS": 16}, {"BT": 64, "num_warps": 4}, {"BT": 256}, {"BK": 128}, {"num_warps": 4})),
-    *(("fwd", f"pre_fwd {c}", {"pre_fwd": c}) for c in ({"BT": 4, "BD": 512, "num_warps": 8}, {"BT": 16, "BD": 128})),
+        {"SPLITS": 4}, {"SPLITS": 16}, {"BT": 128}, {"BK": 128}, {"num_warps": 4})),
+    *(("fwd", f"pre_fwd {c}", {"pre_fwd": c}) for c in ({"BT": 8, "BD": 256, "num_warps": 4}, {"BT": 16, "BD": 128})),
     ("bwd", "pre_bwd {'BT': 4, 'BD': 512, 'num_warps': 8}", {"pre_bwd": {"BT": 4, "BD": 512, "num_warps": 8}}),
     *(("bwd", f"dx {c}", {"dx": c}) for c in (
-        {"BT": 16, "num_warps": 4}, {"BD": 64, "num_warps": 4}, {"SPLITS": 4}, {"SPLITS": 16})),
+        {"BD": 128}, {"BD": 128, "num_warps": 8}, {"BT": 16}, {"BT": 64}, {"SPLITS": 4}, {"SPLITS": 16})),
     ("bwd", "gx tf32x3", {"gx": "tf32x3"}),
 ]
 

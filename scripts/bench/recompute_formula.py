@@ -196,6 +196,18 @@ def q_rms_norm(tr: Trace, sh: Shapes, q: T) -> T:
     return tr.new("q_rms.y", q.numel, q.dtype)
 
 
+def qkv_prologue(tr: Trace, sh: Shapes, q: T, kv: T) -> tuple[T, T]:
+    """q norm + RoPE and kv RMSNorm + RoPE. With both ``dsv4_q_rms_norm_fusion`` and ``apply_rope_fusion`` on,
+    ``ops.qkv_prologue``'s PyLayers keep each input and its row statistics r (no normed copy, no rotation);
+    otherwise the separate ops' saves."""
+    if sh.fusion["q_rms"] and sh.fusion["rope"]:
+        tr.save(q, tr.new("q_prologue.r", q.numel // sh.d, F32), kv, tr.new("kv_prologue.r", kv.numel // sh.d, F32))
+        return tr.new("q_prologue.y", q.numel, q.dtype), tr.new("kv_prologue.y", kv.numel, kv.dtype)
+    q = q_rms_norm(tr, sh, q)
+    kv = rms_norm(tr, kv, kv.numel // sh.d)
+    return rope(tr, sh, q, sh.d), rope(tr, sh, kv, sh.d)
+
+
 def sinkhorn(tr: Trace, sh: Shapes) -> T:
     """Softmax, then ``2 * iterations - 1`` normalising divides, each saving its input, denominator and output."""
     cells = sh.tokens * sh.n * sh.n
@@ -304,9 +316,8 @@ def attention(tr: Trace, sh: Shapes, att: Any, modules: frozenset, x: T) -> T:
     tr.save(x)
     q_latent = rms_norm(tr, tr.new("attn.q_down", bs * sh.q_lora, x.dtype), bs)
     tr.save(q_latent)
-    q = q_rms_norm(tr, sh, tr.new("attn.q_up", bs * sh.h * sh.d, x.dtype))
-    kv = rms_norm(tr, tr.new("attn.kv_down", bs * sh.d, x.dtype), bs)
-    q, kv = rope(tr, sh, q, sh.d), rope(tr, sh, kv, sh.d)
+    q, kv = qkv_prologue(tr, sh, tr.new("attn.q_up", bs * sh.h * sh.d, x.dtype), tr.new("attn.kv_down", bs * sh.d,
+                                                                                          x.dtype))
     out = tr.segment("core_attn" in modules, lambda *a: core_attention(tr, sh, att, *a), q, kv, x, q_latent)
     if sh.vha:
         out = tr.segment("vha_postmix" in modules, lambda o: inv_rope_postmix(tr, sh, o), out)
