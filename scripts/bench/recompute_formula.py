@@ -10,7 +10,10 @@ A storage counts once, however many ops save it, exactly as ``scripts/bench/reco
 the real forward with ``paddle.autograd.saved_tensors_hooks``; ``tests/single_card_tests/
 test_recompute_formula.py`` holds the two equal, byte for byte, on CPU fp32 at several shapes. A recomputed
 segment (``Trace.segment``) keeps its tensor inputs and the decisions replayed inside it (the CSA indexer's
-picks, the routed experts), nothing else: Paddle's non-reentrant recompute.
+picks, the routed experts), nothing else: Paddle's non-reentrant recompute. Fused ops are priced from what
+their PyLayers save: the q/kv prologue (input + row statistics), the fused mHC (streams, mix logits, statistics;
+the combine's four inputs), the fused experts (counts + gate/up), the fused inverse RoPE + postmix in either
+mode (O and M). The storage machinery and the config widths live beside this file in ``recompute_trace.py``.
 
 Dtypes: ``fp32`` is the CPU run (every cast to fp32 aliases). ``bf16`` prices the same saved storages as the code
 writes them with bf16 weights and activations: tensors it computes in fp32 explicitly stay fp32 (norm
@@ -25,142 +28,19 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # recompute_trace, beside this file
+
+from recompute_trace import BOOL, BYTES, F32, I32, I64, Shapes, T, Trace, promote  # noqa: E402
 
 from fleet_ext.config import load_config, recompute_plan  # noqa: E402
 from fleet_ext.layer_kinds import LayerKind, kinds_of, layer_attention  # noqa: E402
 
-BYTES = {"fp32": 4, "bf16": 2, "int64": 8, "int32": 4, "bool": 1}
-F32, I64, I32, BOOL = "fp32", "int64", "int32", "bool"
 MODULES = ("full_attn", "vha_postmix", "core_attn", "mhc", "moe", "moe_act")
-
-
-@dataclass(frozen=True)
-class T:
-    """One storage: a name unique within its layer, its element count and dtype."""
-
-    name: str
-    numel: int
-    dtype: str
-
-
-@dataclass
-class Trace:
-    """The storages autograd keeps, in first-saved order; ``act`` is the activation dtype ("fp32" or "bf16")."""
-
-    act: str
-    saved: dict[str, T] = field(default_factory=dict)
-    depth: int = 0  # > 0 inside a recomputed segment: nothing is saved but its inputs and its decisions
-    _count: int = 0
-
-    def new(self, name: str, numel: int, dtype: str) -> T:
-        self._count += 1
-        return T(f"{name}#{self._count}", numel, dtype)
-
-    def save(self, *tensors: T | None) -> None:
-        if self.depth:
-            return
-        for t in tensors:
-            if t is not None and t.numel:
-                self.saved.setdefault(t.name, t)
-
-    def decide(self, t: T) -> T:
-        """A decision recorded for replay: kept while a recomputed segment waits for its re-run."""
-        if self.depth:
-            self.saved.setdefault(t.name, t)
-        return t
-
-    def cast(self, t: T, dtype: str, numel: int | None = None, name: str | None = None) -> T:
-        """``astype``: the same storage when the dtype does not change, else a new one (``numel`` when only a slice
-        of ``t`` is cast)."""
-        if t.dtype == dtype:
-            return t
-        return self.new(name or f"{t.name.split('#')[0]}:{dtype}", numel or t.numel, dtype)
-
-    def segment(self, enabled: bool, fn: Callable[..., Any], *args: Any) -> Any:
-        """``maybe_checkpointed``: under recompute keep the tensor inputs and run ``fn`` saving nothing."""
-        if not enabled or self.depth:
-            return fn(*args)
-        self.save(*(a for a in args if isinstance(a, T)))
-        self.depth += 1
-        try:
-            return fn(*args)
-        finally:
-            self.depth -= 1
-
-
-def promote(*tensors: T) -> str:
-    return F32 if any(t.dtype == F32 for t in tensors) else tensors[0].dtype
-
-
-@dataclass(frozen=True)
-class Shapes:
-    """The widths the formula needs, read from a loaded config (``Shapes.of``), and the run's batch and length."""
-
-    b: int
-    s: int
-    D: int
-    h: int
-    d: int
-    rope: int
-    q_lora: int
-    groups: int
-    o_rank: int
-    n: int
-    iters: int
-    E: int
-    topk_experts: int
-    ffn: int
-    shared_F: int
-    dense_F: int
-    vocab: int
-    idx_topk: int
-    vha: bool
-    seq_aux: bool
-    scoring: str
-    norm_topk: bool
-    clamp: bool
-    dense_csa: bool
-    fusion: dict
-
-    @classmethod
-    def of(cls, config: Any, batch: int, seq: int) -> Shapes:
-        m, moe, f = config.model, config.moe, config.fusion
-        if not m.enable_hyper_connections or m.vha_postmix_grouped or f.fuse_inv_rope_into_vha_postmix:
-            raise ValueError("recompute_formula models mHC on, the ungrouped VHA postmix (or none) and the unfused "
-                             "inverse RoPE + postmix: set enable_hyper_connections: true, vha_postmix_grouped: false, "
-                             "fuse_inv_rope_into_vha_postmix: false")
-        if any(kind is LayerKind.HYBRID_MLA for kind in kinds_of(m)):
-            raise ValueError("recompute_formula does not model -2 (hybrid-MLA) layers yet")
-        if m.num_nextn_predict_layers or m.dsa_indexer_loss_coeff > 0:
-            raise ValueError("recompute_formula does not model the MTP layers or the CSA indexer KL loss yet: set "
-                             "num_nextn_predict_layers: 0 and dsa_indexer_loss_coeff: 0.0 (main() prices a config "
-                             "without them, see unmodelled_off)")
-        if config.parallel.context_parallel_size > 1:
-            raise ValueError("recompute_formula models one rank holding whole sequences: context_parallel_size: 1 "
-                             "(pass the per-rank length as the sequence length)")
-        return cls(
-            b=batch, s=seq, D=m.hidden_size, h=m.num_attention_heads, d=m.v_head_dim, rope=m.qk_pos_emb_head_dim,
-            q_lora=m.q_lora_rank, groups=m.o_groups, o_rank=m.o_lora_rank, n=m.num_residual_streams,
-            iters=m.mhc_sinkhorn_iterations, E=moe.n_routed_experts, topk_experts=moe.num_experts_per_tok,
-            ffn=moe.moe_intermediate_size, shared_F=moe.n_shared_experts * moe.moe_intermediate_size,
-            dense_F=moe.intermediate_size, vocab=m.vocab_size, idx_topk=m.dsa_index_topk, vha=m.use_vha_attention,
-            seq_aux=moe.moe_router_load_balancing_type == "seq_aux_loss", scoring=moe.scoring_func,
-            norm_topk=moe.norm_topk_prob, clamp=moe.swiglu_limit > 0, dense_csa=m.csa_dense_mode,
-            fusion={"rope": f.apply_rope_fusion, "q_rms": f.dsv4_q_rms_norm_fusion, "sink": f.dsa_sink_grad_fusion,
-                    "backend": f.csa_sparse_attn_backend, "router": f.moe_router_fusion,
-                    "permute": f.moe_permute_fusion},
-        )
-
-    @property
-    def tokens(self) -> int:
-        return self.b * self.s
 
 
 # -- norms, RoPE, mHC ---------------------------------------------------------------------------------------------
@@ -223,6 +103,10 @@ def sinkhorn(tr: Trace, sh: Shapes) -> T:
 def hyper_connection(tr: Trace, sh: Shapes, streams: T) -> tuple[T, T, T]:
     """``layers.mhc.HyperConnection``: (post, comb, collapsed block input)."""
     bs, n = sh.tokens, sh.n
+    if sh.fusion["mhc"]:  # ops/mhc/function.py ``_Pre``: the streams, the mix logits [T, (2 + n) n] and r [T]
+        tr.save(streams, tr.new("mhc.mix", bs * (2 + n) * n, F32), tr.new("mhc.r", bs, F32))
+        post, comb = tr.new("mhc.post", bs * n, F32), tr.new("mhc.comb", bs * n * n, F32)
+        return post, comb, tr.new("mhc.collapsed", bs * sh.D, streams.dtype)
     tr.save(rms_normalize(tr, tr.cast(streams, F32, name="mhc.streams:fp32"), bs, "mhc.flat_norm"))
     gates = {}
     for gate in ("pre", "post"):
@@ -235,6 +119,9 @@ def hyper_connection(tr: Trace, sh: Shapes, streams: T) -> tuple[T, T, T]:
 
 
 def hyper_combine(tr: Trace, sh: Shapes, streams: T, block_out: T, post: T, comb: T) -> T:
+    if sh.fusion["mhc"]:  # ops/mhc/function.py ``_Combine`` keeps its four inputs as given
+        tr.save(streams, block_out, post, comb)
+        return tr.new("mhc.streams", streams.numel, streams.dtype)
     tr.save(tr.cast(comb, streams.dtype), streams)
     tr.save(tr.cast(post, streams.dtype), block_out)
     return tr.new("mhc.streams", streams.numel, streams.dtype)
@@ -303,8 +190,13 @@ def core_attention(tr: Trace, sh: Shapes, att: Any, q: T, kv: T, x: T, q_latent:
 
 
 def inv_rope_postmix(tr: Trace, sh: Shapes, out: T) -> T:
-    """Reference inverse RoPE + VHA postmix ``M @ inv_rope(O)``: saves M (in O's dtype) and the rotated O."""
+    """Inverse RoPE + VHA postmix ``M @ inv_rope(O)``. The reference saves M (in O's dtype) and the rotated O; the
+    fused PyLayers (``ops.inv_rope_postmix``) save O itself and M, cast to O's dtype (bitwise mode) or as it is
+    (fast mode), and rebuild the rotation in the backward."""
     mix = tr.new("vha.mix", sh.h * sh.h, F32)
+    if sh.fusion["inv_rope_postmix"]:
+        tr.save(out, mix if sh.fusion["inv_rope_postmix"] == "fast" else tr.cast(mix, out.dtype))
+        return tr.new("vha.out", out.numel, out.dtype)
     rotated = rope(tr, sh, out, sh.d, inverse=True)
     tr.save(tr.cast(mix, out.dtype), rotated)
     return tr.new("vha.out", out.numel, out.dtype)
@@ -390,13 +282,16 @@ def experts(tr: Trace, sh: Shapes, x: T, indices: T, weights: T, recompute_act: 
         tr.save(tr.new("experts.token_of", pairs, I64), tr.new("experts.order", pairs, I64))
     x_sorted = tr.new("experts.x_sorted", pairs * sh.D, x.dtype)
     tr.save(x_sorted)
-    rows = pairs
-    if not sh.fusion.get("experts", False):  # the reference grouped MLP (ops/moe_experts/reference.py): each row's
-        tr.save(tr.new("experts.slots", pairs, I64))  # slot in the padded buffer; the SwiGLU's rows to a multiple of 8
+    if sh.fusion["experts"]:  # ops/moe_experts/function.py: the PyLayer keeps the rows per expert and gate+up, and
+        h = tr.new("experts.h", pairs * sh.ffn, x.dtype)  # rebuilds h in the backward whatever moe_act says; the
+        counts = 2 * sh.E + 1 if sh.fusion["permute"] else sh.E  # fused route's counts: a view of [counts | offsets]
+        tr.save(tr.new("experts.counts", counts, I64), tr.new("experts.gate_up", pairs * 2 * sh.ffn, x.dtype))
+    else:  # the reference grouped MLP (ops/moe_experts/reference.py): each row's slot in the padded buffer, the
+        tr.save(tr.new("experts.slots", pairs, I64))  # SwiGLU's rows rounded up to a multiple of 8
         rows = pairs if pairs * sh.ffn % 8 == 0 else -(-pairs // 8) * 8
-    gate_up = tr.new("experts.gate_up", rows * 2 * sh.ffn, x.dtype)
-    h = tr.segment(recompute_act, lambda g: swiglu(tr, sh, g), gate_up)
-    tr.save(h)
+        gate_up = tr.new("experts.gate_up", rows * 2 * sh.ffn, x.dtype)
+        h = tr.segment(recompute_act, lambda g: swiglu(tr, sh, g), gate_up)
+        tr.save(h)
     w_sorted = tr.cast(weights if sh.fusion["permute"] else tr.new("experts.w_sorted", pairs, weights.dtype), F32)
     tr.save(tr.cast(tr.new("experts.y", pairs * sh.D, h.dtype), F32, name="experts.y:fp32"), w_sorted)
     return tr.new("experts.out", sh.tokens * sh.D, x.dtype)
@@ -429,10 +324,14 @@ def decoder_layer(tr: Trace, sh: Shapes, att: Any, mlp_kind: str, modules: froze
 def head(tr: Trace, sh: Shapes, streams: T) -> None:
     """``HyperHead`` collapse, final norm, LM head and the mean cross-entropy (the "other" bucket)."""
     rows = sh.tokens
-    tr.save(rms_normalize(tr, tr.cast(streams, F32, name="head.streams:fp32"), rows, "head.flat_norm"))
-    tr.save(tr.new("head.mix", rows * sh.n, F32), tr.new("head.sigmoid", rows * sh.n, F32))
-    tr.save(tr.new("head.pre", rows * sh.n, F32), tr.cast(streams, F32, name="head.streams:fp32"))
-    collapsed = tr.cast(tr.new("head.collapsed", rows * sh.D, F32), streams.dtype, name="head.collapsed")
+    if sh.fusion["mhc"]:  # ``mhc_head``: the ``_Pre`` PyLayer with n mix logits per token
+        tr.save(streams, tr.new("head.mix", rows * sh.n, F32), tr.new("head.r", rows, F32))
+        collapsed = tr.new("head.collapsed", rows * sh.D, streams.dtype)
+    else:
+        tr.save(rms_normalize(tr, tr.cast(streams, F32, name="head.streams:fp32"), rows, "head.flat_norm"))
+        tr.save(tr.new("head.mix", rows * sh.n, F32), tr.new("head.sigmoid", rows * sh.n, F32))
+        tr.save(tr.new("head.pre", rows * sh.n, F32), tr.cast(streams, F32, name="head.streams:fp32"))
+        collapsed = tr.cast(tr.new("head.collapsed", rows * sh.D, F32), streams.dtype, name="head.collapsed")
     hidden = rms_norm(tr, collapsed, rows)
     tr.save(hidden)
     tr.save(tr.new("loss.softmax", rows * sh.vocab, F32))  # cross_entropy keeps its softmax
