@@ -29,8 +29,7 @@ done once (issue 16 §4):
   ``kernel[grid](...)`` re-derives the same specialisation key from every argument on every call (its binder,
   its cache key, launch metadata and empty hook chains); for a plan every scalar and constexpr is fixed, so only
   the tensors' 16-byte alignment (the one other thing Triton specialises a pointer on) and the device can
-  change, and a repeat call can go straight to the compiled kernel's launcher (``BOUND_LAUNCH``, off until
-  verified on a GPU; the first call
+  change, and a repeat call can go straight to the compiled kernel's launcher (``BOUND_LAUNCH``; the first call
   of each (device, alignment) still goes through ``kernel[grid]``, which compiles). Nothing here reads the
   device back, so the launches can be captured in a CUDA graph.
 """
@@ -46,10 +45,11 @@ from fleet_ext import capability
 
 LAUNCH_COUNTS: collections.Counter[str] = collections.Counter()
 ROUTE_COUNTS: collections.Counter[str] = collections.Counter()
-# Repeat launches of a plan straight to the compiled kernel. Off by default: the bypass of ``kernel[grid]`` has not
-# yet run on a GPU (tests/gpu/test_cuda_graphs.py and scripts/bench/bench_launch_overhead.py turn it on and check
-# it); on the CPU the interpreter never takes it. Turn it on after those pass on the machine.
-BOUND_LAUNCH = False
+# Repeat launches of a plan straight to the compiled kernel (on the torch route; tests/gpu/test_cuda_graphs.py
+# passed on the H200 on 2026-12-01: byte-identical to ``kernel[grid]``, misaligned views, CUDA-graph capture).
+# The interpreter never takes it. False sends every launch through ``kernel[grid]`` (e.g. under a Triton upgrade
+# whose launcher signature changed, until that test has run).
+BOUND_LAUNCH = True
 
 
 def is_paddle(tensor: Any) -> bool:
@@ -109,7 +109,10 @@ def layout_key(tensor: Any) -> tuple:
 
     The dtype object also tells the frameworks apart (a plan may allocate in the tensor's framework).
     """
-    if is_paddle(tensor):
+    paddle_tensor = _PADDLE_TYPES.get(type(tensor))  # is_paddle, inlined: three of these per launch of an op
+    if paddle_tensor is None:
+        paddle_tensor = is_paddle(tensor)
+    if paddle_tensor:
         return tuple(tensor.shape), tuple(tensor.strides), tensor.dtype
     return tensor.shape, tensor.stride(), tensor.dtype
 
@@ -316,23 +319,24 @@ class TritonRuntime:
     """What a bound launch asks Triton for (``TRITON_RUNTIME``; tests replace it to fake a GPU): the active driver
     (``get_current_device()``, ``get_current_stream(device)``, as ``JITFunction.run`` asks it) and the launch hooks."""
 
-    _triton: tuple[Any, Any] | None = None  # (triton.runtime.driver.driver, triton.knobs), imported on first use
-
-    def _modules(self) -> tuple[Any, Any]:
-        if self._triton is None:
-            from triton import knobs
-            from triton.runtime.driver import driver
-
-            TritonRuntime._triton = (driver, knobs)
-        return self._triton
+    _driver: Any = None  # Triton's active driver, looked up on first use (one per process)
+    _knobs: Any = None  # triton.knobs.runtime (holds the launch hook chains)
 
     def driver(self) -> Any:
-        return self._modules()[0].active
+        if self._driver is None:
+            from triton.runtime.driver import driver
+
+            TritonRuntime._driver = driver.active
+        return self._driver
 
     def hooks(self) -> tuple[Any, Any]:
         """(enter, exit) launch hooks for the launcher: None for a hook chain with nothing in it (a profiler such as
         Proton adds to them; empty, they would only cost two calls and a metadata dict per launch)."""
-        runtime = self._modules()[1].runtime
+        if self._knobs is None:
+            from triton import knobs
+
+            TritonRuntime._knobs = knobs.runtime
+        runtime = self._knobs
         enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
         if _empty_hook(enter) and _empty_hook(leave):
             return None, None
@@ -354,45 +358,94 @@ class Bound:
     without ``D``) and the device. ``misses`` counts the launches that went through ``kernel[grid]``. What a
     repeat launch does not redo from ``JITFunction.run``: its pre-run hooks (none on these kernels), its check that
     the kernel's global variables kept their compile-time values, and a re-read of the debug knobs.
+
+    Once a launch on the torch route has bound (``ready``: the capability it was decided under), :func:`fire`
+    skips the route decision and the keyword plumbing of :func:`launch` too (the plan's grid, scalars and
+    constexprs are already known): one alignment mask, one dict lookup, the device's stream, the launcher.
     """
 
-    __slots__ = ("tail", "slots", "compiled", "misses")
+    __slots__ = ("tail", "slots", "compiled", "misses", "ready", "name", "grid3", "rest")
 
     def __init__(self) -> None:
         self.tail: tuple | None = None  # the constexprs after the positional arguments, in parameter order
         self.slots: tuple[int, ...] = ()  # positions of the pointer (tensor) arguments
         self.compiled: dict[tuple[int, int], Any] = {}
         self.misses = 0
+        self.ready: Any = None  # the capability under which the torch route bound this plan (for fire)
+        self.name = ""  # the kernel's name (launch counter)
+        self.grid3: tuple[int, int, int] = (1, 1, 1)
+        self.rest: tuple | None = None  # the plan's scalars then ``tail``: what follows the tensors in fire
 
     def launch(self, kernel: Any, grid: Sequence[int], args: Sequence[Any], meta: dict) -> None:
         if self.tail is None:
             self.tail, self.slots = _layout(kernel, args, meta)
+            self.grid3 = (*grid, 1, 1)[:3]
         if self.tail is False:  # not a kernel this knows how to bind
             self.misses += 1
             kernel[grid](*args, **meta)
             return
-        runtime = TRITON_RUNTIME
-        driver = runtime.driver()
-        device = driver.get_current_device()
+        if not self._send(args, (*args, *self.tail)):  # the first launch here (Triton compiles) or unbindable
+            self.misses += 1
+            compiled = kernel[grid](*args, **meta)
+            key = self._key(TRITON_RUNTIME.driver(), args)
+            if key not in self.compiled:
+                self.compiled[key] = _entry(compiled)
+
+    def fire(self, tensors: Sequence[Any], scalars: Sequence[Any]) -> bool:
+        """Launch on ``tensors`` (then the plan's ``scalars``) straight through the compiled kernel; False when
+        this device and alignment have no compiled kernel yet (the caller takes :func:`launch`)."""
+        rest = self.rest
+        if rest is None:
+            rest = self.rest = (*scalars, *self.tail)
+        return self._send(tensors, (*tensors, *rest))
+
+    def _key(self, driver: Any, args: Sequence[Any]) -> tuple[int, int]:
         align = 0
         for i in self.slots:
             if args[i].data_ptr() & 15:
                 align |= 1 << i
-        entry = self.compiled.get((device, align))
-        if not entry:  # the first launch here (Triton compiles), or a compiled kernel without a launcher
-            self.misses += 1
-            compiled = kernel[grid](*args, **meta)
-            if entry is None:
-                self.compiled[(device, align)] = _entry(compiled)
-            return
-        run, function, packed, compiled = entry
-        stream = driver.get_current_stream(device)
-        full = (*args, *self.tail)
+        return driver.get_current_device(), align
+
+    def _send(self, args: Sequence[Any], full: tuple) -> bool:
+        """Hand ``full`` (every kernel argument, constexprs last) to the compiled kernel's launcher; False when
+        there is none for this device and alignment."""
+        runtime = TRITON_RUNTIME
+        driver = runtime.driver()
+        key = self._key(driver, args)
+        entry = self.compiled.get(key)
+        if not entry:
+            return False
+        stream = driver.get_current_stream(key[0])
         enter, leave = runtime.hooks()
-        metadata = None if enter is None and leave is None else compiled.launch_metadata(grid, stream, *full)
-        n = len(grid)
-        run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, function, packed, metadata, enter,
-            leave, *full)
+        g = self.grid3
+        if enter is None and leave is None:
+            if entry.direct is not None:  # no scratch buffers to allocate: the C launcher itself
+                raw, function, cooperative, pdl, packed = entry.direct
+                raw(g[0], g[1], g[2], stream, function, cooperative, pdl, None, None, packed, None, None, None, *full)
+            else:
+                entry.run(g[0], g[1], g[2], stream, entry.function, entry.packed, None, None, None, *full)
+            return True
+        metadata = entry.compiled.launch_metadata(g, stream, *full)
+        entry.run(g[0], g[1], g[2], stream, entry.function, entry.packed, metadata, enter, leave, *full)
+        return True
+
+
+class _Compiled:
+    """What a bound launch needs of one compiled kernel: its launcher (``run``), function handle and packed
+    metadata, and ``direct``: the C launcher with its fixed flags when the kernel needs no scratch buffers
+    (Triton's Python launcher would only decide that again on every call), else None."""
+
+    __slots__ = ("run", "function", "packed", "compiled", "direct")
+
+    def __init__(self, compiled: Any) -> None:
+        self.run, self.function, self.packed, self.compiled = (
+            compiled.run, compiled.function, compiled.packed_metadata, compiled)
+        launcher = self.run
+        raw = getattr(launcher, "launch", None)
+        scratch = (getattr(launcher, "global_scratch_size", 1), getattr(launcher, "profile_scratch_size", 1))
+        flags = (getattr(launcher, "launch_cooperative_grid", None), getattr(launcher, "launch_pdl", None))
+        usable = callable(raw) and scratch == (0, 0) and None not in flags
+        self.direct = (raw, self.function, *flags, self.packed) if usable else None
 
 
 def _layout(kernel: Any, args: Sequence[Any], meta: dict) -> tuple[Any, tuple[int, ...]]:
@@ -415,13 +468,13 @@ def _layout(kernel: Any, args: Sequence[Any], meta: dict) -> tuple[Any, tuple[in
     return tuple(tail), tuple(i for i, a in enumerate(args) if hasattr(a, "data_ptr"))
 
 
-def _entry(compiled: Any) -> tuple | bool:
-    """(launcher, function handle, packed metadata, kernel) of a compiled kernel, or False if it lacks them."""
+def _entry(compiled: Any) -> _Compiled | bool:
+    """What a bound launch needs of a compiled kernel, or False if it lacks a launcher or a loaded function."""
     try:
-        entry = (compiled.run, compiled.function, compiled.packed_metadata, compiled)
+        entry = _Compiled(compiled)
     except AttributeError:
         return False
-    return entry if entry[1] is not None else False
+    return entry if entry.function is not None else False
 
 
 def _run(kernel: Any, grid: Sequence[int], args: Sequence[Any], meta: dict, bound: Bound | None) -> None:
@@ -445,8 +498,28 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, bound: Bound | None =
         kernel[grid](*[torch_view(a) if is_paddle(a) and _is_tensor(a) else a for a in args], **meta)
     elif route == capability.ROUTE_TORCH:
         _run(kernel, grid, args, meta, bound)
+        if bound is not None and bound.ready is None and bound.tail:
+            bound.ready, bound.name = capability.detect(), _kernel_name(kernel)
     else:
         with _routed(route, kernel, args) as adapted:
             _run(kernel, grid, adapted, meta, bound)
     LAUNCH_COUNTS[_kernel_name(kernel)] += 1
     ROUTE_COUNTS[route] += 1
+
+
+def fire(kernel: Any, plan: Plan, *tensors: Any) -> None:
+    """Launch ``plan`` (the op's plan for these tensors' layouts) on ``tensors``, its scalars after them.
+
+    The host's fast path for a repeat call (issue 16 §4): once the plan has bound on the torch route under the
+    current capability, the launch goes straight to the compiled kernel (:meth:`Bound.fire`); anything else (the
+    first call, another route, the interpreter, a new device or alignment) goes through :func:`launch`.
+    """
+    if plan.grid is None:
+        return
+    bound = plan.bound
+    if bound.ready is not None and BOUND_LAUNCH and bound.ready is capability.detect():
+        if bound.fire(tensors, plan.scalars):
+            LAUNCH_COUNTS[bound.name] += 1
+            ROUTE_COUNTS[capability.ROUTE_TORCH] += 1
+            return
+    launch(kernel, plan.grid, *tensors, *plan.scalars, bound=bound, **plan.meta)

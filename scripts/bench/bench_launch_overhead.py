@@ -5,7 +5,9 @@ Run on the H200 (torch + Triton, no Paddle):  python scripts/bench/bench_launch_
 
 Host wall µs per call: N calls back to back, timed without a sync inside the loop (the device is idle long
 before the host finishes: a tiny kernel takes a few µs), then one synchronize outside the timed span; the
-median of 5 such runs. Also with a synchronize after every call ("sync"). Rows:
+median of 5 such runs. Also with a synchronize after every call ("sync"). The ratio to the bare launch pairs
+them: five alternating rounds of the op and the bare launch, median of each (the host's speed drifts run to run).
+``--profile`` also writes where each op's host time goes (cProfile, profile.txt). Rows:
 
 - torch eager add and a bare Triton launch of a trivial kernel (3 arguments): the baselines of the same run;
   a bare launch of a 24-argument kernel shows what Triton's own ``kernel[grid]`` costs per argument;
@@ -157,7 +159,44 @@ def _bound_off(fn):
     return run
 
 
-def run_case(case: dict, bare_us: float, compile_on: bool) -> dict:
+def bare_launch() -> None:
+    _bare_kernel[(1,)](_BARE_X[0], 16, BLOCK=16)
+
+
+_BARE_X: list[torch.Tensor] = []  # the bare launch's tensor, made on first use (after CUDA is up)
+
+
+def paired_host_us(fn, rounds: int = 5) -> tuple[float, float]:
+    """(fused, bare) host µs per call, measured in alternating rounds so both see the same host load."""
+    fused, bare = [], []
+    for _ in range(rounds):
+        fused.append(host_us(fn, repeats=1))
+        bare.append(host_us(bare_launch, repeats=1))
+    return statistics.median(fused), statistics.median(bare)
+
+
+def profile_case(case: dict, calls: int = 2000, top: int = 12) -> str:
+    """cProfile of ``calls`` calls of the fused op (bound launch on): where its host time goes, by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    fused = case["fused"]
+    for _ in range(50):
+        fused()
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fused()
+    profiler.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    return f"== {case['name']} ({calls} calls)\n" + text.getvalue()
+
+
+def run_case(case: dict, compile_on: bool) -> dict:
     fused = case["fused"]
     row = {"name": case["name"]}
     reset = case.get("reset", lambda: None)  # an in-place op starts both calls from the same input
@@ -167,14 +206,14 @@ def run_case(case: dict, bare_us: float, compile_on: bool) -> dict:
     off = _outputs(_bound_off(fused)())
     torch.cuda.synchronize()
     row["same"] = all(torch.equal(a, b) for a, b in zip(on, off))
-    row["host_us"] = host_us(fused)
+    row["host_us"], row["bare_us"] = paired_host_us(fused)
     launch.BOUND_LAUNCH = False
     try:
         row["host_unbound_us"] = host_us(fused)
     finally:
         launch.BOUND_LAUNCH = True
     row["host_sync_us"] = host_us(fused, calls=500, sync=True)
-    row["ratio"] = row["host_us"] / bare_us
+    row["ratio"] = row["host_us"] / row["bare_us"]
     row["goal"] = f"{'met' if row['ratio'] <= GOAL else 'missed'} ({row['ratio']:.2f}x <= {GOAL}x bare)"
     row["fused_dev_us"] = device_us(fused)
     row["eager_dev_us"] = device_us(case["eager"])
@@ -208,24 +247,30 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines")
+    parser.add_argument("--profile", action="store_true", help="also write a cProfile of each op (profile.txt)")
     args = parser.parse_args()
-    launch.BOUND_LAUNCH = True  # the library default is off until this machine has passed tests/gpu/test_cuda_graphs.py
+    launch.BOUND_LAUNCH = True  # the library default; set again in case a caller turned it off
     props = torch.cuda.get_device_properties(0)
     print(f"{props.name}, torch {torch.__version__}, triton {triton.__version__}; tiny shapes: q [{B},{S},{H},{D}] "
           f"bf16, pe {2 * HALF}, kv [{B},{S},{D}], remap [{B},{S},640] int32")
     base = baselines()
-    rows = [run_case(case, base["bare Triton launch"], not args.no_compile) for case in cases()]
+    _BARE_X.append(torch.zeros(16, device="cuda"))
+    if args.profile:
+        with open(os.path.join(args.out, "profile.txt"), "w") as fh:
+            fh.write("\n".join(profile_case(case) for case in cases()))
+    rows = [run_case(case, not args.no_compile) for case in cases()]
     with open(os.path.join(args.out, "bench_launch_overhead.json"), "w") as fh:
         json.dump({"gpu": props.name, "baselines_us": base, "rows": rows}, fh, indent=1)
     print(f"{'baseline':34} {'host us':>8}")
     for name, us in base.items():
         print(f"{name:34} {us:8.1f}")
-    print(f"{'op':27} {'host us':>7} {'unbound':>7} {'sync':>6} {'x bare':>6} {'same':>5} {'dev us':>6} "
+    print(f"{'op':27} {'host us':>7} {'bare':>5} {'unbound':>7} {'sync':>6} {'x bare':>6} {'same':>5} {'dev us':>6} "
           f"{'eager':>6} {'compile':>7} {'cmp host':>8}  goals")
     for r in rows:
         comp = "n/a" if r["compile_dev_us"] is None else f"{r['compile_dev_us']:.1f}"
         comp_host = "n/a" if r["compile_host_us"] is None else f"{r['compile_host_us']:.1f}"
-        print(f"{r['name']:27} {r['host_us']:7.1f} {r['host_unbound_us']:7.1f} {r['host_sync_us']:6.1f} "
+        print(f"{r['name']:27} {r['host_us']:7.1f} {r['bare_us']:5.1f} {r['host_unbound_us']:7.1f} "
+              f"{r['host_sync_us']:6.1f} "
               f"{r['ratio']:6.2f} {str(r['same']):>5} {r['fused_dev_us']:6.1f} {r['eager_dev_us']:6.1f} {comp:>7} "
               f"{comp_host:>8}  host: {r['goal']}; device: {r.get('vs_compile', r.get('compile_error', 'n/a'))}")
 

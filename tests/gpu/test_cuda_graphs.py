@@ -37,7 +37,7 @@ BF16 = torch.bfloat16
 
 @pytest.fixture(autouse=True)
 def _bound_launch_on(monkeypatch):
-    """These tests check the bound launch itself, which the library keeps off until it has run on a GPU."""
+    """These tests check the bound launch itself: on even if a caller turned the library default off."""
     from fleet_ext.ops import launch
 
     monkeypatch.setattr(launch, "BOUND_LAUNCH", True)

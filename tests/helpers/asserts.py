@@ -106,6 +106,7 @@ def assert_close(got: Any, want: Any, dtype: str, name: str, *, what: str = "", 
     """
     tol = tolerance(dtype, name)
     g, w = _host_values(got), _host_values(want)
+    scale = None if scale is None else _host_values(scale)
     label = f"{what}: " if what else ""
     if w.shape != g.shape:
         if w.ndim:

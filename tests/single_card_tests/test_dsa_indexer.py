@@ -247,12 +247,16 @@ def test_causal_scores_are_the_bitwise_columns_of_the_all_keys_scores(b, s, h, d
 
 
 def test_unaligned_key_counts_break_the_column_bits():
-    """Why the count is rounded up to 8: on this build a GEMM over an unaligned number of keys rounds some columns
-    differently (they fall into another remainder block). Pinned, so a library change shows up here."""
+    """Why the count is rounded up to 8: on some CPUs a GEMM over an unaligned number of keys rounds some columns
+    differently (they fall into another remainder block); an aligned count must never. Which unaligned counts
+    break depends on the CPU's BLAS kernels (some broke on the CI machine, none on a 2026-12-01 development VM)."""
     q, k, w = _qkw(2, 32, 2, 16, 64)
     full = DSAIndexer.scores(q, k, w)
     broken = [n for n in range(1, 64) if _bits(DSAIndexer.scores(q, k[:, :n], w)) != _bits(full[:, :, :n])]
-    assert broken and all(n % KEY_ALIGN for n in broken), broken
+    assert all(n % KEY_ALIGN for n in broken), broken
+    if not broken:
+        pytest.skip("this CPU's BLAS scored every unaligned key count bitwise too: the effect behind KEY_ALIGN "
+                    "does not show here (it did on the CI machine)")
 
 
 def _tied_scores(b: int, s: int, seed: int) -> np.ndarray:

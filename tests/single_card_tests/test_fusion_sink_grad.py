@@ -64,13 +64,32 @@ def to_pd(*arrays):
 SHAPES = [(1, 1, 1, 1), (2, 5, 3, 8), (3, 7, 5, 33), (1, 70, 4, 16), (2, 3, 64, 24)]
 
 
+def test_one_token_block_writes_d_sink_directly_with_the_reduces_bits():
+    """A single token block skips the reduce launch (its partial row is d_sink); the bits equal the two-launch path
+    (partials, then the reduce, run here by hand on the same plan); more blocks launch the reduce once."""
+    from fleet_ext.ops.launch import fire
+
+    rng = np.random.default_rng(3)
+    for shape, blocks in [((2, 5, 3, 8), 1), ((1, 70, 4, 16), 2)]:
+        d_out, out, lse, sink = (torch.from_numpy(a) for a in make_case(rng, shape))
+        with expect_launches(PARTIAL, exactly=1), expect_launches(REDUCE, exactly=blocks - 1):
+            got = kernel.sink_grad(d_out, out, lse, sink)
+        plan = kernel._PLANS[(*(kernel._key(t) for t in (d_out, out, lse, sink, None)), kernel.is_interpreted())]
+        partials = torch.empty(plan.info[0])
+        fire(kernel._sink_grad_partial_kernel, plan, d_out, out, lse, lse, sink, partials)
+        reduce = plan.info[1] or kernel._prepare_reduce(blocks, shape[2])
+        by_hand = torch.empty_like(sink)
+        fire(kernel._sink_grad_reduce_kernel, reduce, partials, by_hand)
+        assert_bitwise(got, by_hand, f"{shape}: d_sink vs partials + reduce")
+
+
 @pytest.mark.parametrize("with_dlse", [False, True])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_kernel_vs_oracle_and_reference(shape, with_dlse):
     rng = np.random.default_rng(sum(shape) + with_dlse)
     d_out, out, lse, sink = make_case(rng, shape)
     d_lse = rng.standard_normal(shape[:3]).astype(F32) if with_dlse else None
-    with expect_launches(PARTIAL, REDUCE, exactly=1):
+    with expect_launches(PARTIAL, exactly=1):
         got = kernel.sink_grad(*to_pd(d_out, out, lse, sink),
                                d_lse=None if d_lse is None else paddle.to_tensor(d_lse))
     assert got.dtype == paddle.float32 and got.shape == [shape[2]]
@@ -85,7 +104,7 @@ def test_only_d_lse_flows():
     rng = np.random.default_rng(2)
     d_out, out, lse, sink = make_case(rng, (2, 9, 3, 4))
     d_lse = rng.standard_normal((2, 9, 3)).astype(F32)
-    with expect_launches(PARTIAL, REDUCE, exactly=1):
+    with expect_launches(PARTIAL, exactly=1):
         got = kernel.sink_grad(None, None, *to_pd(lse, sink), d_lse=paddle.to_tensor(d_lse))
     exact, scale = oracle_d_sink(np.zeros_like(out), out, lse, sink, d_lse)
     assert_within(got.numpy(), exact, scale, "d_lse only")
@@ -98,7 +117,7 @@ def test_rows_with_no_valid_index_contribute_exactly_zero():
     out = np.zeros(shape, F32)  # every row empty: out = 0
     d_out = rng.standard_normal(shape).astype(F32)
     lse = np.broadcast_to(sink, shape[:3]).copy()  # lse = sink: p_sink = exp(0) = 1
-    with expect_launches(PARTIAL, REDUCE, exactly=1):
+    with expect_launches(PARTIAL, exactly=1):
         got = kernel.sink_grad(*to_pd(d_out, out, lse, sink))
     assert_bitwise(got, np.zeros(3, F32), "d_sink of empty rows")
 
@@ -113,7 +132,7 @@ def test_non_contiguous_inputs():
     out_v = paddle.to_tensor(wide)[..., ::2]
     lse_v = paddle.to_tensor(np.ascontiguousarray(lse.transpose(1, 0, 2))).transpose([1, 0, 2])
     assert not (d_out_v.is_contiguous() or out_v.is_contiguous() or lse_v.is_contiguous())
-    with expect_launches(PARTIAL, REDUCE, exactly=2):
+    with expect_launches(PARTIAL, exactly=2):
         got = kernel.sink_grad(d_out_v, out_v, lse_v, paddle.to_tensor(sink))
         contiguous = kernel.sink_grad(*to_pd(d_out, out, lse, sink))
     assert_bitwise(got, contiguous, "strided vs contiguous")
@@ -124,7 +143,7 @@ def test_non_contiguous_inputs():
 def test_torch_tensors_work_too():
     rng = np.random.default_rng(6)
     arrays = make_case(rng, (2, 6, 3, 10))
-    with expect_launches(PARTIAL, REDUCE, exactly=1):
+    with expect_launches(PARTIAL, exactly=1):
         got = kernel.sink_grad(*(torch.from_numpy(a) for a in arrays))
     assert isinstance(got, torch.Tensor)
     exact, scale = oracle_d_sink(*arrays)
@@ -134,7 +153,7 @@ def test_torch_tensors_work_too():
 def test_deterministic_run_after_run():
     rng = np.random.default_rng(8)
     args = to_pd(*make_case(rng, (2, 75, 5, 20)))  # two partial blocks
-    with expect_launches(PARTIAL, REDUCE, exactly=3):
+    with expect_launches(PARTIAL, exactly=3):
         first = kernel.sink_grad(*args)
         for _ in range(2):
             assert_bitwise(kernel.sink_grad(*args), first, "run after run")
@@ -188,7 +207,7 @@ def test_attention_bitwise_except_d_sink_and_d_sink_vs_oracle(shape, duplicates,
     d_out = rng.standard_normal(q.shape[:3] + (q.shape[3],)).astype(F32)
     d_lse = rng.standard_normal(q.shape[:3]).astype(F32) if use_lse else None
     want = run_attention(sparse_attention_with_sink, q, kv, idx, sink, scale, d_out, d_lse)
-    with expect_launches(PARTIAL, REDUCE, exactly=2 if use_lse else 1):  # out's PyLayer, and lse's when used
+    with expect_launches(PARTIAL, exactly=2 if use_lse else 1):  # out's PyLayer, and lse's when used
         got = run_attention(fused.sparse_attention_fused_sink_grad, q, kv, idx, sink, scale, d_out, d_lse)
     for key in ("out", "lse", "dq", "dkv"):
         assert_bitwise(got[key], want[key], key)
@@ -211,7 +230,7 @@ def test_attention_d_v_option_matches_reference():
     q, kv, idx, sink, scale, rng = make_inputs((2, 4, 3, 12, 5, 3), seed=5)
     d_out = rng.standard_normal((2, 4, 3, 8)).astype(F32)
     want = run_attention(sparse_attention_with_sink, q, kv, idx, sink, scale, d_out, d_v=8)
-    with expect_launches(PARTIAL, REDUCE, exactly=1):
+    with expect_launches(PARTIAL, exactly=1):
         got = run_attention(fused.sparse_attention_fused_sink_grad, q, kv, idx, sink, scale, d_out, d_v=8)
     for key in ("out", "lse", "dq", "dkv"):
         assert_bitwise(got[key], want[key], key)
@@ -223,7 +242,7 @@ def test_frozen_sink_runs_no_kernel_and_matches():
     q, kv, idx, sink, scale, rng = make_inputs((2, 3, 2, 8, 5, 3), seed=9)
     d_out = rng.standard_normal((2, 3, 2, 8)).astype(F32)
     want = run_attention(sparse_attention_with_sink, q, kv, idx, sink, scale, d_out, sink_grad=False)
-    with expect_launches(PARTIAL, REDUCE, exactly=0):
+    with expect_launches(PARTIAL, exactly=0):
         got = run_attention(fused.sparse_attention_fused_sink_grad, q, kv, idx, sink, scale, d_out, sink_grad=False)
     assert got["d_sink"] is None
     for key in ("out", "lse", "dq", "dkv"):
@@ -259,7 +278,7 @@ def test_gpu_launch_geometry_in_the_interpreter(monkeypatch):
     rng = np.random.default_rng(13)
     arrays = make_case(rng, (1, 20, 64, 300))
     d_lse = rng.standard_normal((1, 20, 64)).astype(F32)
-    with expect_launches(PARTIAL, REDUCE, exactly=2):
+    with expect_launches(PARTIAL, exactly=2):
         got = kernel.sink_grad(*to_pd(*arrays), d_lse=paddle.to_tensor(d_lse))
         again = kernel.sink_grad(*to_pd(*arrays), d_lse=paddle.to_tensor(d_lse))
     assert_bitwise(got, again, "two runs")

@@ -52,7 +52,7 @@ LRU = [rope._plan, kernel_order._torch_cuda_order]
 
 @pytest.fixture(autouse=True)
 def _bound_launch_on(monkeypatch):
-    """These tests check the bound launch itself, which the library keeps off until it has run on a GPU."""
+    """These tests check the bound launch itself: on even if a caller turned the library default off."""
     monkeypatch.setattr(launch, "BOUND_LAUNCH", True)
 
 
@@ -337,6 +337,61 @@ def test_a_runtime_parameter_by_keyword_is_bound_in_parameter_order(fake_gpu):
     for _ in range(2):
         launch.launch(kernel, (1,), x, y, bound=bound, BLOCK=4, n=7)
     assert kernel.compiled.launched == [(1, 1, 1, 0x5000, 0xF00, "packed", None, None, None, x, y, 7, 4, True)]
+
+
+class FakeLauncher:
+    """Triton's Python launcher of a compiled kernel on a GPU: its C ``launch`` and the flags it passes on."""
+
+    global_scratch_size = profile_scratch_size = 0
+    launch_cooperative_grid, launch_pdl = False, True
+
+    def __init__(self) -> None:
+        self.direct: list[tuple] = []
+        self.via_python: list[tuple] = []
+
+    def __call__(self, *args):
+        self.via_python.append(args)
+
+    def launch(self, *args):
+        self.direct.append(args)
+
+
+def test_fire_sends_a_bound_plan_straight_to_the_c_launcher(fake_gpu, monkeypatch):
+    """The ops' fast path: after the first launch of a plan, ``fire`` hands the C launcher the grid, the stream,
+    no scratch buffers and no hooks, then the tensors, the plan's scalars and the constexprs in parameter order."""
+    kernel = JITFunction(_device_code)
+    launcher = kernel.compiled.run = FakeLauncher()
+    plan = launch.Plan((2, 3), (7,), dict(BLOCK=4, num_warps=2))
+    x, y = torch.ones(8), torch.zeros(8)
+    before = launch.LAUNCH_COUNTS["_device_code"], launch.ROUTE_COUNTS["torch"]
+    for _ in range(3):
+        launch.fire(kernel, plan, x, y)
+    assert len(kernel.slow) == 1 and plan.bound.misses == 1 and launcher.via_python == []
+    assert launcher.direct == [(2, 3, 1, 0x5000, 0xF00, False, True, None, None, "packed", None, None, None,
+                                x, y, 7, 4, True)] * 2
+    assert (launch.LAUNCH_COUNTS["_device_code"], launch.ROUTE_COUNTS["torch"]) == (before[0] + 3, before[1] + 3)
+    fake_gpu.hook = "hook chain"  # a profiler's hooks: through Triton's Python launcher, with launch metadata
+    launch.fire(kernel, plan, x, y)
+    assert len(launcher.via_python) == 1 and launcher.via_python[0][7:9] == ("hook chain", "hook chain")
+    fake_gpu.hook = None
+    with capability.override(Capability(triton=True, torch=True, gpu=True, sm=(9, 0))):
+        launch.fire(kernel, plan, x, y)  # another capability: the route is decided again (same compiled kernel)
+    assert len(kernel.slow) == 1 and len(launcher.direct) == 3
+    monkeypatch.setattr(launch, "BOUND_LAUNCH", False)
+    launch.fire(kernel, plan, x, y)
+    assert len(kernel.slow) == 2  # switched off: through kernel[grid]
+
+
+def test_a_kernel_with_scratch_buffers_keeps_tritons_python_launcher(fake_gpu):
+    kernel = JITFunction(_device_code)
+    launcher = kernel.compiled.run = FakeLauncher()
+    launcher.global_scratch_size = 64  # Triton allocates it per launch: its launcher must do that
+    plan = launch.Plan((1,), (7,), dict(BLOCK=4))
+    x, y = torch.ones(8), torch.zeros(8)
+    for _ in range(2):
+        launch.fire(kernel, plan, x, y)
+    assert launcher.direct == [] and launcher.via_python == [(1, 1, 1, 0x5000, 0xF00, "packed", None, None, None,
+                                                              x, y, 7, 4, True)]
 
 
 # -- the report (printed, not asserted) -------------------------------------------------------------------------

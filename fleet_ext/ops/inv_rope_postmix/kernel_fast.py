@@ -29,10 +29,9 @@ import triton.language as tl
 from fleet_ext.ops.launch import (
     Plan,
     contiguous_strides,
-    detached,
     dtype_name,
     empty_like,
-    launch,
+    fire,
     layout_key,
     plan_cache,
     shape_of,
@@ -315,9 +314,7 @@ def forward(out: Any, cos: Any, sin: Any, mix: Any, meta: dict[str, int] | None 
     key = (layout_key(out), layout_key(cos), layout_key(sin), layout_key(mix), _meta_key(meta), rope_kernel.USE_PTX)
     fwd = _FWD_PLANS.get(key) or _prepare_fwd(key, out, cos, sin, mix, meta)
     y = empty_like(out)
-    if fwd.grid is not None:
-        launch(_postmix_fast_fwd_kernel, fwd.grid, detached(out), detached(mix), y, detached(cos), detached(sin),
-               *fwd.scalars, bound=fwd.bound, **fwd.meta)
+    fire(_postmix_fast_fwd_kernel, fwd, out, mix, y, cos, sin)
     return y
 
 
@@ -357,13 +354,10 @@ def backward(out: Any, cos: Any, sin: Any, mix: Any, grad: Any, need_out: bool =
     if not (need_out or need_mix):
         return d_out, d_mix
     partials = empty_like(cos, shape=[max(1, n_part), h, h])  # fp32, cos's framework and device
-    if bwd.grid is not None:
-        dx = d_out if need_out else out  # never written when NEED_DX is off
-        launch(_postmix_fast_bwd_kernel, bwd.grid, detached(out), detached(grad), detached(mix), dx, partials,
-               detached(cos), detached(sin), *bwd.scalars, bound=bwd.bound, **bwd.meta)
-    if reduce is not None and reduce.grid is not None:
-        launch(_postmix_fast_reduce_kernel, reduce.grid, partials, d_mix, *reduce.scalars, bound=reduce.bound,
-               **reduce.meta)
+    dx = d_out if need_out else out  # never written when NEED_DX is off
+    fire(_postmix_fast_bwd_kernel, bwd, out, grad, mix, dx, partials, cos, sin)
+    if reduce is not None:
+        fire(_postmix_fast_reduce_kernel, reduce, partials, d_mix)
     return d_out, d_mix
 
 

@@ -39,10 +39,9 @@ import triton.language as tl
 
 from fleet_ext.ops.launch import (
     Plan,
-    detached,
     dtype_name,
     empty_like,
-    launch,
+    fire,
     layout_key,
     plan_cache,
     shape_of,
@@ -189,7 +188,5 @@ def local_to_global_flat(local_idx: Any, seqlen_kv: int) -> Any:
     key = (layout_key(local_idx), seqlen_kv, _tuning())
     plan = _PLANS.get(key) or _prepare(key, local_idx, seqlen_kv)
     out = empty_like(local_idx, shape=plan.info)
-    if plan.grid is not None:
-        launch(_kv_idx_remap_kernel, plan.grid, detached(local_idx), out, *plan.scalars, bound=plan.bound,
-               **plan.meta)
+    fire(_kv_idx_remap_kernel, plan, local_idx, out)
     return out

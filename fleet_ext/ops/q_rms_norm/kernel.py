@@ -71,11 +71,10 @@ import triton
 
 from fleet_ext.ops.launch import (
     Plan,
-    detached,
     dtype_name,
     empty_like,
+    fire,
     is_paddle,
-    launch,
     layout_key,
     plan_cache,
     shape_of,
@@ -209,9 +208,7 @@ def _fwd_plan(q: Any, r: Any, phase: int, order: Order | None, eps: float) -> Pl
 
 
 def _fwd(plan: Plan, q: Any, y: Any, stat: Any) -> None:
-    if plan.grid is not None:
-        launch(_q_rms_norm_fwd_kernel, plan.grid, detached(q), detached(y), detached(stat), *plan.scalars,
-               bound=plan.bound, **plan.meta)
+    fire(_q_rms_norm_fwd_kernel, plan, q, y, stat)
 
 
 def q_rms_norm_stats(q: Any, order: Order | None = None) -> Any:
@@ -271,8 +268,7 @@ def q_rms_norm_bwd(dy: Any, q: Any, r: Any, order: Order | None = None) -> Any:
     plan = _BWD_PLANS.get(key) or _prepare_bwd(key, dy, q, r, order)
     dx = empty_like(q)
     if plan.grid is not None:
-        launch(_q_rms_norm_bwd_kernel, plan.grid, detached(q), detached(dy), detached(_contiguous(r)), dx,
-               *plan.scalars, bound=plan.bound, **plan.meta)
+        fire(_q_rms_norm_bwd_kernel, plan, q, dy, _contiguous(r), dx)
     return dx
 
 

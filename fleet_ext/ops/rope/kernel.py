@@ -33,10 +33,9 @@ import triton.language as tl
 from fleet_ext.ops.launch import (
     Plan,
     contiguous_strides,
-    detached,
     dtype_name,
     empty_like,
-    launch,
+    fire,
     layout_key,
     plan_cache,
     shape_of,
@@ -268,9 +267,7 @@ def _planned(x: Any, cos: Any, sin: Any, fn: str, start: int, inverse: bool) -> 
 
 
 def _run(plan: Plan, x: Any, out: Any, cos: Any, sin: Any) -> None:
-    if plan.grid is not None:
-        launch(_rope_kernel, plan.grid, detached(x), detached(out), detached(cos), detached(sin), *plan.scalars,
-               bound=plan.bound, **plan.meta)
+    fire(_rope_kernel, plan, x, out, cos, sin)
 
 
 def check_cached(x: Any, cos: Any, sin: Any, fn: str = _ROPE) -> None:

@@ -24,10 +24,9 @@ import triton.language as tl
 
 from fleet_ext.ops.launch import (
     Plan,
-    detached,
     dtype_name,
     empty_like,
-    launch,
+    fire,
     layout_key,
     plan_cache,
     shape_of,
@@ -162,12 +161,16 @@ def _prepare(key: tuple, d_out: Any, out: Any, lse: Any, sink: Any, d_lse: Any) 
                 HAS_DO=has_do, HAS_DLSE=d_lse is not None, num_warps=cfg["num_warps"])
     partial = Plan((n_part, triton.cdiv(heads, cfg["BLOCK_H"])),
                    (tokens, seq, heads, *do_s, *o_s, *strides_of(lse), *dl_s), meta)
+    partial.info = ([n_part, heads], _prepare_reduce(n_part, heads) if n_part > 1 else None)
+    return _PLANS.add(key, partial)
+
+
+def _prepare_reduce(n_part: int, heads: int) -> Plan:
+    """The fixed-order sum of ``n_part`` partial rows of ``heads`` values."""
     block_h = min(64, _pow2(heads))
     block_p = max(1, min(_pow2(n_part), 4096 // block_h))
-    reduce = Plan((triton.cdiv(heads, block_h),), (heads,), dict(P=n_part, BLOCK_P=block_p, BLOCK_H=block_h,
-                                                                    num_warps=4))
-    partial.info = ([n_part, heads], reduce)
-    return _PLANS.add(key, partial)
+    return Plan((triton.cdiv(heads, block_h),), (heads,), dict(P=n_part, BLOCK_P=block_p, BLOCK_H=block_h,
+                                                               num_warps=4))
 
 
 def sink_grad(d_out: Any, out: Any, lse: Any, sink: Any, d_lse: Any = None) -> Any:
@@ -175,18 +178,16 @@ def sink_grad(d_out: Any, out: Any, lse: Any, sink: Any, d_lse: Any = None) -> A
     key = (_key(d_out), _key(out), _key(lse), _key(sink), _key(d_lse), is_interpreted())
     plan = _PLANS.get(key) or _prepare(key, d_out, out, lse, sink, d_lse)
     part_shape, reduce = plan.info
-    partials = empty_like(sink, shape=part_shape)
     d_sink = empty_like(sink)
     if plan.grid is None:
         return d_sink
+    # one token block: its partial row is d_sink itself (the reduce would add +0.0 to it: the same bits, as a
+    # partial is never -0.0, its accumulator starting at +0.0), so one launch and one buffer
+    partials = d_sink if reduce is None else empty_like(sink, shape=part_shape)
     has_do = out is not None
     do_t, o_t = (d_out, out) if has_do else (lse, lse)  # placeholders, never read
     dl_t = d_lse if d_lse is not None else lse
-    launch(
-        _sink_grad_partial_kernel, plan.grid,
-        detached(do_t), detached(o_t), detached(lse), detached(dl_t), detached(sink), partials, *plan.scalars,
-        bound=plan.bound, **plan.meta,
-    )
-    launch(_sink_grad_reduce_kernel, reduce.grid, partials, d_sink, *reduce.scalars, bound=reduce.bound,
-           **reduce.meta)
+    fire(_sink_grad_partial_kernel, plan, do_t, o_t, lse, dl_t, sink, partials)
+    if reduce is not None:
+        fire(_sink_grad_reduce_kernel, reduce, partials, d_sink)
     return d_sink
