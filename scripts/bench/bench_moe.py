@@ -2,6 +2,7 @@
 
 Run on the H200 (torch + Triton, no Paddle):
     python scripts/bench/bench_moe.py [--out DIR] [--experts 256 32] [--sections route experts layer]
+    python scripts/bench/bench_moe.py --warm I/N   # compile shard I of N of the expert GEMMs' candidates, untimed
 
 ``route`` (this module) times the router and the permute / unpermute, as below; ``experts`` and ``layer``
 (``cases_moe_experts.py``) time the grouped expert GEMMs against ``torch.matmul`` / ``torch._grouped_mm`` / a dense
@@ -263,6 +264,8 @@ def experts_and_layer(args: argparse.Namespace, header: str) -> None:
     with open(os.path.join(args.out, "moe_experts.md"), "w") as fh:
         fh.write(table)
     print("\n" + table)
+    if gemm:
+        print(cases_moe_experts.sweep_table(gemm))
 
 
 def main() -> None:
@@ -274,7 +277,13 @@ def main() -> None:
     parser.add_argument("--layer-tokens", nargs="*", type=int, default=[8192, 16384])
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--diagnose", action="store_true", help="per-launch GPU times and launch-setting sweeps")
+    parser.add_argument("--warm", default=None, metavar="I/N",
+                        help="only compile shard I of N of the expert GEMMs' candidates (untimed), then exit")
     args = parser.parse_args()
+    if args.warm:
+        shard, shards = map(int, args.warm.split("/"))
+        cases_moe_experts.warm(shard, shards, lambda msg: print(msg, flush=True))
+        return
     props = torch.cuda.get_device_properties(0)
     header = f"{props.name}, sm{props.major}{props.minor}, torch {torch.__version__}, triton {triton.__version__}"
     if "experts" in args.sections or "layer" in args.sections:

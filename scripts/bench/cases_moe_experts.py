@@ -7,7 +7,10 @@ Shapes: T tokens (8192; the layer also 16384), top-6, D = 4096, gate+up width 2I
   stored [E, D, 2I] and column-major, the faster reported), one dense GEMM of the same FLOPs, and the fused
   ``_grouped_gate_up`` (which also writes h, the SwiGLU, from its epilogue), after a launch-setting sweep; the
   fused result is checked against ``_grouped_mm`` first. Then each other GEMM of the op (down, d_gate_up, d_rows,
-  d_weight) is swept alone and the winners installed in ``kernel.TUNE`` for what follows.
+  d_weight) is swept alone and the winners installed in ``kernel.TUNE`` for what follows. The sweep's candidates
+  (``CANDIDATES``: tiles, pointer or TMA-descriptor loads, one program per tile or a persistent grid) are each
+  checked against the first one's result (run 1's pointer kernel) before they may win; ``sweep_table`` prints
+  them all. ``warm`` compiles them (untimed, in parallel shards) so the timed run finds Triton's cache full.
 - **Experts** forward and forward + backward: fused vs the ``_grouped_mm`` mirror (autograd) vs fleet_ext's padded
   reference (``padded_experts``); errors of
   both against an fp32 torch reference on the same bf16 operands (relative Frobenius norms).
@@ -35,14 +38,21 @@ from fleet_ext.ops.moe_router import kernel as rk
 
 T, D, K, INTER, LIMIT, SCALING = 8192, 4096, 6, 2048, 10.0, 2.5
 DEVICE = "cuda"
-# Launch settings swept per GEMM: (BM, BN, BK, GROUP_M, warps, stages).
-CANDIDATES: dict[str, list[tuple[int, ...]]] = {  # the first run's (2026-12-01) winners and runners-up
-    "gate_up": [(128, 128, 64, 8, 8, 4), (128, 128, 64, 8, 8, 3)],
-    "down": [(128, 256, 64, 8, 8, 3)],
-    "d_gate_up": [(64, 128, 64, 8, 4, 4), (128, 128, 64, 8, 8, 3), (128, 256, 64, 8, 8, 3)],
-    "d_rows": [(128, 256, 64, 8, 8, 3)],
-    "d_weight": [(128, 128, 32, 1, 4, 4), (128, 256, 64, 1, 8, 3)],
+# Launch settings swept per GEMM: ek.Launch(BM, BN, BK, GROUP_M, warps, stages, tma, persistent); the first of each
+# list is the setting of the first run (2026-12-01: pointer loads, one program per tile), the reference every other
+# candidate's result is checked against before it may win.
+CANDIDATES: dict[str, list[tuple]] = {
+    "gate_up": [(128, 128, 64, 8, 8, 4, False, 0), (128, 128, 64, 8, 8, 4, True, 0), (128, 128, 64, 8, 8, 4, True, 1),
+                (128, 128, 64, 8, 8, 3, True, 2), (64, 128, 64, 8, 4, 3, True, 2), (64, 256, 64, 8, 8, 2, True, 2)],
+    "down": [(128, 256, 64, 8, 8, 3, False, 0), (128, 256, 64, 8, 8, 4, True, 0), (128, 256, 64, 8, 8, 3, True, 2),
+             (64, 256, 64, 8, 4, 4, True, 2)],
+    "d_gate_up": [(64, 128, 64, 8, 4, 4, False, 0), (64, 128, 64, 8, 4, 4, True, 0), (64, 128, 64, 8, 4, 3, True, 2),
+                  (128, 128, 64, 8, 8, 3, True, 2)],
+    "d_rows": [(128, 256, 64, 8, 8, 3, False, 0), (128, 256, 64, 8, 8, 4, True, 0), (128, 256, 64, 8, 8, 3, True, 2)],
+    "d_weight": [(128, 128, 32, 1, 4, 4, False, 0), (128, 256, 64, 1, 8, 3, False, 0), (128, 256, 64, 1, 8, 3, True, 0),
+                 (128, 256, 64, 1, 8, 3, True, 2), (128, 128, 64, 1, 4, 4, True, 2)],
 }
+SWEEP_REP_MS = 100
 
 
 def median_ms(fn: Callable, rep: int = 200) -> float:
@@ -127,19 +137,36 @@ def autograd_fwd_bwd(fn: Callable, x: Tensor, w1: Tensor, w2: Tensor, g: Tensor,
     return (out, *torch.autograd.grad(out, leaves, g))
 
 
-def sweep_role(role: str, regime: str, fn: Callable, log: Callable) -> tuple[float, tuple[int, ...]]:
-    """Time ``fn`` under each candidate of ``role`` (installing it in kernel.TUNE); keep the fastest installed."""
-    times = {}
-    for cfg in CANDIDATES[role]:
+def _as_list(result: Any) -> list[Tensor]:
+    return [t for t in (result if isinstance(result, (tuple, list)) else [result]) if t is not None]
+
+
+def sweep_role(role: str, regime: str, fn: Callable, log: Callable, timed: bool = True) -> dict[str, Any]:
+    """Run ``fn`` under each candidate of ``role`` (installed in kernel.TUNE): its result checked against the first
+    candidate's (relative norm, byte equality), then timed; the fastest correct one stays installed. ``timed``
+    False: run each once (compiles it; ``--warm``)."""
+    runs, ref = [], None
+    for cfg in map(ek.Launch._make, CANDIDATES[role]):
         ek.TUNE[role][regime] = cfg
         try:
-            times[cfg] = median_ms(fn)
+            got = _as_list(fn())
+            ref = got if ref is None else ref
+            rel = max(rel_norm(a, b) for a, b in zip(got, ref))
+            same = all(torch.equal(a, b) for a, b in zip(got, ref))
+            del got
+            ms = median_ms(fn, rep=SWEEP_REP_MS) if timed else float("nan")
+            runs.append({"cfg": cfg, "ms": ms, "rel_vs_first": rel, "same_bytes_as_first": same, "ok": rel < 1e-2})
         except Exception as exc:  # e.g. out of shared memory: report, go on
-            log(f"sweep {role} {regime} {cfg}: {type(exc).__name__}: {str(exc)[:120]}")
-    best = min(times, key=times.get)
-    ek.TUNE[role][regime] = best
-    log(f"sweep {role} {regime}: " + ", ".join(f"{c}: {t * 1e3:.0f} us" for c, t in times.items()) + f" -> {best}")
-    return times[best], best
+            log(f"sweep {role} {regime} {tuple(cfg)}: {type(exc).__name__}: {str(exc)[:200]}")
+            runs.append({"cfg": cfg, "ms": float("nan"), "error": f"{type(exc).__name__}: {str(exc)[:200]}",
+                         "ok": False})
+    good = [r for r in runs if r["ok"] and r["ms"] == r["ms"]] or [runs[0]]
+    best = min(good, key=lambda r: r["ms"])
+    ek.TUNE[role][regime] = best["cfg"]
+    log(f"sweep {role} {regime}: " + ", ".join(
+        f"{tuple(r['cfg'])}: {r['ms'] * 1e3:.0f} us{'' if r['ok'] else ' FAILED CHECK'}"
+        f"{' same bytes' if r.get('same_bytes_as_first') else ''}" for r in runs) + f" -> {tuple(best['cfg'])}")
+    return {"best": best, "runs": runs}
 
 
 def gemm_rows(experts: int, log: Callable) -> dict[str, Any]:
@@ -162,7 +189,9 @@ def gemm_rows(experts: int, log: Callable) -> dict[str, Any]:
     row["grouped_ms"] = median_ms(lambda: torch._grouped_mm(x, w1, offs=offs))
     row["grouped_cm_ms"] = median_ms(lambda: torch._grouped_mm(x, w1_cm, offs=offs))
     row["dense_ms"] = median_ms(lambda: x @ dense)
-    row["fused_ms"], row["fused_cfg"] = sweep_role("gate_up", regime, lambda: ek.gate_up(x, counts, w1, LIMIT), log)
+    sweep = sweep_role("gate_up", regime, lambda: ek.gate_up(x, counts, w1, LIMIT), log)
+    row["fused_ms"], row["fused_cfg"] = sweep["best"]["ms"], sweep["best"]["cfg"]
+    row["sweep"] = {"gate_up": sweep["runs"]}
     for key in ("loop", "grouped", "grouped_cm", "dense", "fused"):
         row[f"{key}_tflops"] = flops / (row[f"{key}_ms"] * 1e-3) / 1e12
     row["grouped_best_tflops"] = max(row["grouped_tflops"], row["grouped_cm_tflops"])
@@ -171,8 +200,8 @@ def gemm_rows(experts: int, log: Callable) -> dict[str, Any]:
     return row
 
 
-def _sweep_rest(x, counts, w1, w2, regime, row, log) -> None:
-    """Sweep the other four GEMMs of the op alone, on realistic operands."""
+def rest_roles(x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor) -> dict[str, tuple[Callable, int]]:
+    """The op's other four GEMMs alone on realistic operands: role -> (run, FLOPs); each run returns its result."""
     n = x.shape[0]
     gate_up, h = ek.gate_up(x, counts, w1, LIMIT)
     g = torch.randn_like(x)
@@ -180,17 +209,52 @@ def _sweep_rest(x, counts, w1, w2, regime, row, log) -> None:
     d_gate_up, _ = ekb.gate_up_backward(g, counts, w2, gate_up, LIMIT)
     d_w1, d_w2 = torch.empty_like(w1), torch.empty_like(w2)
     s1 = w1.stride()
-    roles = {
-        "down": lambda: ek.rows_gemm(h, w2, counts, out, INTER, D, tuple(w2.stride()), "down"),
-        "d_gate_up": lambda: ekb.gate_up_backward(g, counts, w2, gate_up, LIMIT),
-        "d_rows": lambda: ek.rows_gemm(d_gate_up, w1, counts, out, 2 * INTER, D, (s1[0], 1, s1[1]), "d_rows"),
-        "d_weight": lambda: (ekb.weight_grad(x, d_gate_up, counts, d_w1), ekb.weight_grad(h, g, counts, d_w2)),
-    }
-    flops = {"down": 2 * n * INTER * D, "d_gate_up": 2 * n * D * INTER, "d_rows": 2 * n * 2 * INTER * D,
-             "d_weight": 2 * n * D * 3 * INTER}
-    for role, fn in roles.items():
-        ms, cfg = sweep_role(role, regime, fn, log)
-        row[f"{role}_ms"], row[f"{role}_cfg"], row[f"{role}_tflops"] = ms, cfg, flops[role] / (ms * 1e-3) / 1e12
+
+    def down():
+        ek.rows_gemm(h, w2, counts, out, INTER, D, tuple(w2.stride()), "down")
+        return out
+
+    def d_rows():
+        ek.rows_gemm(d_gate_up, w1, counts, out, 2 * INTER, D, (s1[0], 1, s1[1]), "d_rows")
+        return out
+
+    def d_weight():
+        ekb.weight_grad(x, d_gate_up, counts, d_w1)
+        ekb.weight_grad(h, g, counts, d_w2)
+        return d_w1, d_w2
+
+    return {"down": (down, 2 * n * INTER * D),
+            "d_gate_up": (lambda: ekb.gate_up_backward(g, counts, w2, gate_up, LIMIT), 2 * n * D * INTER),
+            "d_rows": (d_rows, 2 * n * 2 * INTER * D), "d_weight": (d_weight, 2 * n * D * 3 * INTER)}
+
+
+def _sweep_rest(x, counts, w1, w2, regime, row, log) -> None:
+    """Sweep the other four GEMMs of the op alone, on realistic operands."""
+    for role, (fn, flops) in rest_roles(x, counts, w1, w2).items():
+        sweep = sweep_role(role, regime, fn, log)
+        ms, cfg = sweep["best"]["ms"], sweep["best"]["cfg"]
+        row[f"{role}_ms"], row[f"{role}_cfg"], row[f"{role}_tflops"] = ms, cfg, flops / (ms * 1e-3) / 1e12
+        row["sweep"][role] = [dict(r, tflops=flops / (r["ms"] * 1e-3) / 1e12) for r in sweep["runs"]]
+
+
+def warm(shard: int, shards: int, log: Callable) -> None:
+    """Compile every candidate of every role (``bench_moe.py --warm``): shard ``shard`` of ``shards`` runs each
+    candidate once at the bench's shapes (32 experts: the same compiled kernels as 256), untimed; Triton's disk
+    cache then serves the timed run."""
+    idx, counts = routing(T, 32, seed=32)
+    x = torch.randn(T * K, D, device=DEVICE).bfloat16()
+    w1, w2 = weights(32, seed=2)
+    roles = {"gate_up": (lambda: ek.gate_up(x, counts, w1, LIMIT), 0)}
+    roles.update(rest_roles(x, counts, w1, w2))
+    jobs = [(role, i) for role in CANDIDATES for i in range(len(CANDIDATES[role]))]
+    for role, i in jobs[shard::shards]:
+        saved = CANDIDATES[role]
+        CANDIDATES[role] = [saved[i]]
+        try:
+            sweep_role(role, "large", roles[role][0], log, timed=False)
+        finally:
+            CANDIDATES[role] = saved
+    torch.cuda.synchronize()
 
 
 def _experts_rows(x, counts, host, offs, w1, w2, row, log) -> None:
@@ -319,6 +383,27 @@ def goals(gemm: list[dict], layer: list[dict]) -> list[tuple[str, str, str]]:
     return out
 
 
+def sweep_table(gemm: list[dict]) -> str:
+    """Every candidate of every GEMM, per expert count: TFLOP/s (gate+up also against ``_grouped_mm`` and the
+    dense GEMM measured in the same run) and its check against the first candidate."""
+    lines = []
+    for r in gemm:
+        flops = 2 * T * K * D * 2 * INTER
+        lines.append(f"E={r['experts']} rows/expert {r['rows_min']}-{r['rows_max']}: _grouped_mm "
+                     f"{r['grouped_best_tflops']:.0f} TFLOP/s, dense {r['dense_tflops']:.0f}, "
+                     f"loop {r['loop_tflops']:.0f}")
+        for role, runs in r["sweep"].items():
+            for run in runs:
+                tf = flops / (run["ms"] * 1e-3) / 1e12 if role == "gate_up" else run.get("tflops", float("nan"))
+                extra = (f" {tf / r['grouped_best_tflops']:.2f}x gmm {tf / r['dense_tflops']:.2f}x dense"
+                         if role == "gate_up" else "")
+                check = "ok" if run["ok"] else "FAIL"
+                same = " =bytes" if run.get("same_bytes_as_first") else ""
+                lines.append(f"  {role:9} {str(tuple(run['cfg'])):40} {run['ms'] * 1e3:8.0f} us {tf:6.0f} TF"
+                             f"{extra} {check}{same}")
+    return "\n".join(lines) + "\n"
+
+
 def _errors(e: dict) -> str:
     return ", ".join(f"{k} {v:.1e}" for k, v in e.items())
 
@@ -328,7 +413,8 @@ def markdown(gemm: list[dict], layer: list[dict], header: str) -> str:
     lines = [f"Device: {header}.", "",
              "| gate+up GEMM, TFLOP/s | rows per expert | per-expert `torch.matmul` loop | `torch._grouped_mm` "
              "(stored / column-major weights) | one dense GEMM, same FLOPs | fused (+ SwiGLU epilogue, writes "
-             "gate_up and h) | fused / `_grouped_mm` | fused / dense | launch (BM, BN, BK, GROUP_M, warps, stages) |",
+             "gate_up and h) | fused / `_grouped_mm` | fused / dense | launch (BM, BN, BK, GROUP_M, warps, stages, "
+             "TMA, persistent) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in gemm:
         lines.append(

@@ -16,9 +16,11 @@ Skipped without CUDA.
   roundings (``mhc_eager_combine``); and the fused combine (one rounding) is at least as close to float64 as
   eager's. Planted bugs fail these bounds (negative controls): a 1e-4 bias of the projection (the size of the
   error that bf16x3 products accumulated in the tensor cores gave), the mixing matrix transposed.
-- Every tile-product mode the launchers offer (``kernel.PRODUCTS``/``TUNE``) within the same entries.
+- Every tile-product mode the launchers offer (``kernel.PRODUCTS``/``TUNE``) and every launch geometry the H200
+  sweep may pick (``kernel.GEOMETRY_VARIANTS``) within the same entries.
 - Determinism at the production shape (T = 16384 tokens x 4 streams x D = 4096, bf16): forward and backward
-  byte-identical run to run (no atomics).
+  byte-identical run to run (no atomics), at the defaults and at every geometry variant, and the Sinkhorn
+  backward's stored and recomputed states give the same bytes.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from helpers import oracles as orc
 from fleet_ext import capability
 
 capability.prepare_triton()  # a no-op on a GPU; keeps a CPU collection of this file from mis-building kernels
+
+from fleet_ext.ops.mhc.kernel import GEOMETRY_VARIANTS  # noqa: E402  (plain data; kernels are built where they run)
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(),
@@ -196,12 +200,10 @@ def test_gradients_vs_float64_autograd(kernel, tokens, n, d, dtype):
         check(got, want.cpu().numpy(), dtype, f"combine {what}")
 
 
-@pytest.mark.parametrize("dot, gx", [("bf16x3", "bf16x3"), ("tf32x3", "bf16x6"), ("bf16x3", "tf32x3")])
-def test_product_modes_in_bf16(kernel, monkeypatch, dot, gx):
-    """Each tile-product mode the launchers offer, at V4's width: the pre op's outputs, its streams gradient
-    (rounded to bf16 once: checked alone, without the head's) and the parameter gradients vs float64."""
-    monkeypatch.setattr(kernel, "TUNE", {"dot": dot, "gx": gx})
-    a = make(256, 4, 4096, torch.bfloat16, seed=3)
+def _pre_op_vs_float64(kernel, a, label: str) -> None:
+    """The pre op forward and backward (bf16 streams) under the current ``kernel.TUNE`` vs torch float64 autograd:
+    its outputs, its streams gradient (rounded to bf16 once: alone, without the head's) and the parameter
+    gradients, the fused entries."""
     with expect_launches(*PRE_KERNELS, *PRE_BWD_KERNELS, exactly=1):
         post, comb, y, mix, r = kernel.pre_forward(a["x"], a["fn"], a["base"], a["scale"], ITERS, EPS, NORM_EPS)
         g_x, g_fn, g_base, g_scale = kernel.pre_backward(a["x"], a["fn"], a["base"], a["scale"], mix, r, a["g_post"],
@@ -212,22 +214,63 @@ def test_product_modes_in_bf16(kernel, monkeypatch, dot, gx):
     ((p * a["g_post"].double()).sum() + (c * a["g_comb"].double()).sum() + (yy * a["g_y"].double()).sum()).backward()
     for what, got, want in (("post", post, p), ("comb", comb, c), ("collapsed", y, yy), ("d streams (pre)", g_x,
                             leaves[0].grad), ("d fn", g_fn, leaves[1].grad), ("d base", g_base, leaves[2].grad)):
-        check(got, want.detach().cpu().numpy(), torch.bfloat16, f"{what} [{dot}/{gx}]")
-    check(g_scale, leaves[3].grad.cpu().numpy(), torch.bfloat16, f"d scale [{dot}/{gx}]", gain=True)
+        check(got, want.detach().cpu().numpy(), torch.bfloat16, f"{what} [{label}]")
+    check(g_scale, leaves[3].grad.cpu().numpy(), torch.bfloat16, f"d scale [{label}]", gain=True)
 
 
-def test_production_shape_is_deterministic(kernel):
-    a = make(16384, 4, 4096, torch.bfloat16, seed=1)
+@pytest.mark.parametrize("dot, gx", [("bf16x3", "bf16x3"), ("tf32x3", "bf16x6"), ("bf16x3", "tf32x3")])
+def test_product_modes_in_bf16(kernel, monkeypatch, dot, gx):
+    """Each tile-product mode the launchers offer, at V4's width."""
+    monkeypatch.setattr(kernel, "TUNE", {"dot": dot, "gx": gx})
+    _pre_op_vs_float64(kernel, make(256, 4, 4096, torch.bfloat16, seed=3), f"{dot}/{gx}")
 
-    def step():
-        post, comb, y, mix, r = kernel.pre_forward(a["x"], a["fn"], a["base"], a["scale"], ITERS, EPS, NORM_EPS)
-        out = kernel.combine_forward(a["x"], a["f"], post, comb)
-        grads = kernel.pre_backward(a["x"], a["fn"], a["base"], a["scale"], mix, r, a["g_post"], a["g_comb"],
-                                    a["g_y"], ITERS, EPS)
-        return (post, comb, y, out, *grads, *kernel.combine_backward(a["x"], a["f"], post, comb, a["g_out"]))
 
+def _variant_id(variant: dict) -> str:
+    return "-".join(f"{key}-" + "-".join(f"{k}{v}" for k, v in cfg.items()) for key, cfg in variant.items())
+
+
+@pytest.mark.parametrize("variant", GEOMETRY_VARIANTS, ids=_variant_id)
+def test_launch_geometries_in_bf16(kernel, monkeypatch, variant):
+    """Every launch geometry the H200 sweep may make a default (``kernel.GEOMETRY_VARIANTS``), at V4's width: the
+    pre op vs float64 as above, and the combine backward's four gradients vs float64 autograd, the same entries as
+    the defaults'; and byte-identical run to run at the production shape."""
+    monkeypatch.setattr(kernel, "TUNE", dict(variant))
+    a = make(256, 4, 4096, torch.bfloat16, seed=11)
+    _pre_op_vs_float64(kernel, a, _variant_id(variant))
+    post, comb, _, _, _ = kernel.pre_forward(a["x"], a["fn"], a["base"], a["scale"], ITERS, EPS, NORM_EPS)
+    with expect_launches("_mhc_combine_bwd", exactly=1):
+        got = kernel.combine_backward(a["x"], a["f"], post, comb, a["g_out"])
+    leaves = [t.detach().double().requires_grad_() for t in (a["x"], a["f"], post, comb)]
+    (torch_mhc.mhc_combine(*leaves) * a["g_out"].double()).sum().backward()
+    for what, g, leaf in zip(("d x", "d f", "d post", "d comb"), got, leaves):
+        check(g, leaf.grad.cpu().numpy(), torch.bfloat16, f"combine {what} [{_variant_id(variant)}]")
+    _assert_deterministic(kernel, make(16384, 4, 4096, torch.bfloat16, seed=1), 2, f" [{_variant_id(variant)}]")
+
+
+def _step(kernel, a) -> tuple:
+    """Every output of the pre op, the combine and their backwards (one token batch of ``a``)."""
+    post, comb, y, mix, r = kernel.pre_forward(a["x"], a["fn"], a["base"], a["scale"], ITERS, EPS, NORM_EPS)
+    out = kernel.combine_forward(a["x"], a["f"], post, comb)
+    grads = kernel.pre_backward(a["x"], a["fn"], a["base"], a["scale"], mix, r, a["g_post"], a["g_comb"],
+                                a["g_y"], ITERS, EPS)
+    return (post, comb, y, out, *grads, *kernel.combine_backward(a["x"], a["f"], post, comb, a["g_out"]))
+
+
+def _assert_deterministic(kernel, a, runs: int, what: str) -> tuple:
     with expect_launches(*PRE_KERNELS, *PRE_BWD_KERNELS, "_mhc_combine_fwd", "_mhc_combine_bwd", exactly=1):
-        first = step()
-    for _ in range(2):
-        for i, (got, want) in enumerate(zip(step(), first)):
-            assert_bitwise(got, want, f"output {i}, run after run")
+        first = _step(kernel, a)
+    for _ in range(runs - 1):
+        for i, (got, want) in enumerate(zip(_step(kernel, a), first)):
+            assert_bitwise(got, want, f"output {i}, run after run{what}")
+    return first
+
+
+def test_production_shape_is_deterministic(kernel, monkeypatch):
+    a = make(16384, 4, 4096, torch.bfloat16, seed=1)
+    first = _assert_deterministic(kernel, a, 3, "")
+    # The Sinkhorn backward's two ways to its states (stored once by default, or recomputed): the same bytes.
+    stored = kernel.GPU_CONFIG["pre_bwd"]["STATES"]
+    monkeypatch.setattr(kernel, "TUNE", {"pre_bwd": {"STATES": 1 - stored}})
+    other = _step(kernel, a)
+    for i, (got, want) in enumerate(zip(other, first)):
+        assert_bitwise(got, want, f"output {i}, Sinkhorn states {'recomputed' if stored else 'stored'} vs not")

@@ -11,6 +11,10 @@ Skipped without CUDA.
 - Both launch settings (small groups: many experts; large groups), odd widths (masked tiles), empty experts,
   one expert taking every row, rows past ``sum(counts)`` (zeros), and run-to-run byte identity of every result
   (the weight gradients are fixed-order sums, no atomics).
+- The oracle test checks which load path and grid kind ran (``kernel_tiles.PATH_COUNTS``): the defaults' (TMA
+  descriptors: every shape here is 16-byte aligned); a second test runs the pointer path, one program per tile,
+  persistent and flattened persistent grids on the same tiles and asks for byte-identical results (bf16: all
+  four; fp32: pointer per tile vs TMA flattened).
 """
 
 from __future__ import annotations
@@ -39,6 +43,28 @@ def kernels():
     from fleet_ext.ops.moe_experts import kernel, kernel_bwd  # imported only where they will run
 
     return kernel, kernel_bwd
+
+
+ROLE_KERNELS = {"gate_up": "_grouped_gate_up", "down": "_grouped_rows_mm", "d_gate_up": "_grouped_d_gate_up",
+                "d_rows": "_grouped_rows_mm", "d_weight": "_grouped_d_weight"}
+
+
+def paths_ran(run, *args) -> tuple:
+    """The (kernel, load path, grid kind) of every launch of ``run(*args)``."""
+    from fleet_ext.ops.moe_experts import kernel_tiles
+
+    kernel_tiles.PATH_COUNTS.clear()
+    result = run(*args)
+    return result, set(kernel_tiles.PATH_COUNTS)
+
+
+def expected_paths(kernel, n_rows: int, experts: int, dtype: torch.dtype) -> set:
+    """What ``kernel.TUNE`` asks for (every test shape here is 16-byte aligned: TMA wherever it is asked for)."""
+    from fleet_ext.ops.moe_experts import kernel_tiles
+
+    name = str(dtype).rsplit(".", 1)[-1]
+    return {(ROLE_KERNELS[role], "tma" if cfg.tma else "pointer", kernel_tiles.GRID_KINDS[cfg.persistent])
+            for role in ROLE_KERNELS for cfg in [kernel.launch_config(role, n_rows, experts, name)]}
 
 
 CASES = {  # name: (counts, D, I, pad rows)
@@ -115,7 +141,8 @@ def test_forward_and_gradients_vs_the_float64_oracle(kernels, case, dtype):
     x, counts, w1, w2, g = make(case, DTYPES[dtype])
     with expect_launches("_grouped_gate_up", "_grouped_d_gate_up", exactly=1), \
             expect_launches("_grouped_rows_mm", "_grouped_d_weight", exactly=2):
-        got = fused(kernels, x, counts, w1, w2, g)
+        got, ran = paths_ran(fused, kernels, x, counts, w1, w2, g)
+    assert ran == expected_paths(kernels[0], x.shape[0], len(counts), x.dtype)
     want = oracle(x, counts, w1, w2, g)
     _check(got, want, dtype, "grouped_experts", f"{case} {dtype} vs float64")
     pad = CASES[case][3]
@@ -142,6 +169,23 @@ def test_every_result_is_byte_identical_run_to_run(kernels, dtype):
         again = fused(kernels, x, counts, w1, w2, g)
         for key in first:
             assert_bitwise(again[key], first[key], f"{dtype} again: {key}")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_load_paths_and_grid_kinds_give_the_same_bytes(kernels, dtype, case="rows_past_the_counts"):
+    """The defaults' tiles with pointer or TMA-descriptor loads, one program per tile or a persistent grid (the
+    tile loop flattened into the K loop or not): byte-identical results, each on the path asked for."""
+    kernel = kernels[0]
+    x, counts, w1, w2, g = make(case, DTYPES[dtype], seed=3)
+    first = fused(kernels, x, counts, w1, w2, g)
+    variants = [(False, 0), (True, 0), (True, 1), (True, 2)] if dtype == "bf16" else [(False, 0), (True, 2)]
+    for tma, persistent in variants:
+        with kernel.launch_overrides(tma=tma, persistent=persistent):
+            got, ran = paths_ran(fused, kernels, x, counts, w1, w2, g)
+        assert {r[1:] for r in ran} == {("tma" if tma else "pointer", ("per tile", "persistent",
+                                                                      "persistent flattened")[persistent])}
+        for key in first:
+            assert_bitwise(got[key], first[key], f"{case} {dtype} tma={tma} persistent={persistent}: {key}")
 
 
 def test_planted_difference_fails_the_bf16_check(kernels):

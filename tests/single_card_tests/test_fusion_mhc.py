@@ -6,7 +6,8 @@ block output and every parameter against Paddle autograd of the reference within
 (the kernels sum in other orders and normalise after the projection, so not bitwise; kernel.py), and the
 forward against the float64 oracle. Shapes cover n = 4 (V4), n = 3 (padded n x n tiles), n = 1, D off the tile
 widths, 1 / 3 / 20 Sinkhorn iterations and a large eps. Planted bugs (one Sinkhorn iteration short, the mixing
-matrix transposed) fail the tolerance. Two runs are byte-identical (no atomics). The tiny model with mHC (4
+matrix transposed) fail the tolerance. Two runs are byte-identical (no atomics), also with the Sinkhorn backward's
+states recomputed instead of stored. The tiny model with mHC (4
 streams): switch on vs off within ``mhc_fused_model``, every kernel counted; under recompute the fused model is
 byte-equal to itself without recompute.
 """
@@ -103,11 +104,13 @@ def test_ops_match_the_reference_within_the_tolerance(b, s, n, d, iterations, ep
 
 def test_split_geometries_match_the_reference(monkeypatch):
     """The GPU's geometry on the interpreter: the projection split over K, the streams' gradient and the parameter
-    gradient split over tokens (several splits, a ragged last one), small tiles: every output and gradient within
-    the tolerance of the reference, as with one split."""
+    gradient split over tokens (several splits, a ragged last one), small tiles (the combine backward's too: a
+    ragged last token block, channel tiles of two 8-wide vectors, a partial last tile): every output and gradient
+    within the tolerance of the reference, as with one split."""
     monkeypatch.setattr(kernel, "TUNE", {"proj": {"SPLITS": 3, "BT": 16, "BK": 16}, "pre_fwd": {"BT": 16, "BD": 16},
                                          "pre_bwd": {"BT": 16, "BD": 16}, "dx": {"SPLITS": 3, "BT": 16, "BD": 16},
-                                         "params": {"BLOCK": 64, "BB": 2}})
+                                         "params": {"BLOCK": 64, "BB": 2},
+                                         "combine_bwd": {"BT": 16, "BD": 16, "V": 8}})
     arrays, cot = _inputs(2, 19, 4, 40, seed=11)  # 38 tokens: splits of 16, 16 and 6; K = 160: 64, 64, 32
     want = _run(reference, arrays, cot, 20, 1e-6)
     with expect_launches(*PRE_KERNELS, exactly=2):
@@ -117,7 +120,9 @@ def test_split_geometries_match_the_reference(monkeypatch):
 
 
 def test_planted_bugs_fail_the_tolerance(monkeypatch):
-    """Negative control: one Sinkhorn iteration short, and the mixing matrix transposed in the combine."""
+    """Negative control: one Sinkhorn iteration short, and the mixing matrix transposed in the combine (forward:
+    the combined streams fail; the backward alone: the streams' gradient fails), and the streams' order reversed
+    in the combine backward alone (its ``g_comb`` reduction: the gradient of ``base`` fails)."""
     arrays, cot = _inputs(2, 5, 4, 32, seed=7)
     want = _run(reference, arrays, cot, 20, 1e-6)
     with expect_launches("_mhc_pre_fwd", min=1):
@@ -131,15 +136,33 @@ def test_planted_bugs_fail_the_tolerance(monkeypatch):
         transposed = _run(function, arrays, cot, 20, 1e-6)
     with pytest.raises(AssertionError, match="outside fp32 'mhc_fused'"):
         assert_close(transposed["mixed"], want["mixed"], "fp32", "mhc_fused", what="planted: comb transposed")
+    monkeypatch.setattr(kernel, "combine_forward", real)
+    real_bwd = kernel.combine_backward
+    for key, plant in (("grad:streams", lambda x, comb: (x, comb.transpose([0, 2, 1]).contiguous())),
+                       ("grad:base", lambda x, comb: (paddle.flip(x, axis=[1]), comb))):
+        monkeypatch.setattr(kernel, "combine_backward", lambda x, f, post, comb, d_out, plant=plant: real_bwd(
+            plant(x, comb)[0], f, post, plant(x, comb)[1], d_out))
+        with expect_launches("_mhc_combine_bwd", exactly=1):
+            planted = _run(function, arrays, cot, 20, 1e-6)
+        assert_close(planted["mixed"], want["mixed"], "fp32", "mhc_fused", what="forward untouched")
+        with pytest.raises(AssertionError, match="outside fp32 'mhc_fused'"):
+            assert_close(planted[key], want[key], "fp32", "mhc_fused", what=f"planted in the combine backward: {key}")
 
 
-def test_two_runs_are_byte_identical_and_no_grad_runs_the_same_forward():
+def test_two_runs_are_byte_identical_and_no_grad_runs_the_same_forward(monkeypatch):
+    """Run to run the same bytes; the Sinkhorn backward's states recomputed (``STATES`` 0) instead of stored: the
+    same bytes too; the forward without autograd: the same bytes as with it."""
     arrays, cot = _inputs(2, 6, 4, 32, seed=3)
     with expect_launches("_mhc_pre_bwd", "_mhc_dx_bwd", "_mhc_params_bwd", "_mhc_combine_bwd", min=2):
         first = _run(function, arrays, cot, 20, 1e-6)
         second = _run(function, arrays, cot, 20, 1e-6)
     for key in first:
         assert_bitwise(second[key], first[key], key)
+    monkeypatch.setattr(kernel, "TUNE", {"pre_bwd": {"STATES": 0}})
+    with expect_launches("_mhc_pre_bwd", min=2):
+        recomputed = _run(function, arrays, cot, 20, 1e-6)
+    for key in first:
+        assert_bitwise(recomputed[key], first[key], f"Sinkhorn states recomputed: {key}")
     t = {k: paddle.to_tensor(v) for k, v in arrays.items()}
     with paddle.no_grad(), expect_launches("_mhc_proj_fwd", "_mhc_pre_fwd", "_mhc_combine_fwd", exactly=1):
         post, comb, collapsed = function.mhc_pre(t["streams"], t["fn"], t["base"], t["scale"], 20, 1e-6, 1e-6)
@@ -197,13 +220,21 @@ def _unfused() -> dict[str, np.ndarray]:
     return _REFERENCE["run"]
 
 
+def _fused() -> dict[str, np.ndarray]:
+    """The switch-on run, once per session (the interpreted kernels are what makes the model tests slow)."""
+    if "fused" not in _REFERENCE:
+        _REFERENCE["fused"] = _model_run(SWITCH)
+    return _REFERENCE["fused"]
+
+
 def test_tiny_model_matches_the_unfused_model_within_the_tolerance():
     want = _unfused()
     layers = tiny_model()["num_hidden_layers"]
     # Two HyperConnections and two combines per layer; the head's collapse is the pre kernel too.
+    _REFERENCE.pop("fused", None)  # counted here: this test runs the fused model itself
     with expect_launches(*PRE_KERNELS, exactly=2 * layers + 1), \
             expect_launches("_mhc_combine_fwd", "_mhc_combine_bwd", exactly=2 * layers):
-        got = _model_run(SWITCH)
+        got = _fused()
     assert want.keys() == got.keys()
     mhc_grads = [k for k in want if "mhc_" in k]
     assert len(mhc_grads) == 3 * (2 * layers + 1) and all(np.abs(want[k]).max() > 0 for k in mhc_grads)
@@ -229,7 +260,7 @@ def test_planted_difference_fails_the_model_check(monkeypatch):
 
 def test_tiny_model_under_recompute_is_bitwise_equal_to_no_recompute():
     """Recompute re-runs the fused kernels on the same inputs: the same bytes (deterministic kernels)."""
-    fused = _model_run(SWITCH)
+    fused = _fused()
     for policy in ({"recompute_granularity": "selective", "recompute_modules": ["mhc"]},
                    {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2}):
         with expect_launches("_mhc_pre_fwd", min=2 * tiny_model()["num_hidden_layers"] + 2):  # re-run forwards

@@ -7,6 +7,11 @@ one expert taking every row, k = 1, no clamp, and rows past ``sum(counts)``. Pla
 across a segment boundary, a clamp limit off by 1 %) must fail that check. The weight gradients are byte-identical
 run to run. The tiny model, switch off vs on: loss and every gradient within ``grouped_experts_model``; under
 recompute the fused model is byte-equal to itself without recompute. Every fused run counts the kernels' launches.
+
+The GPU's load paths run here too (the interpreter executes Triton's tensor descriptors: bounds-checked block
+loads, the ragged ones of the weight gradients included): aligned shapes take the TMA-descriptor path of the GPU's
+default setting, odd widths the pointer path; both, one program per tile or persistent, give the same bytes. What
+differs from the GPU: 16-row tiles, fp32 only, NumPy dots, and the flattened persistent loop runs as a plain loop.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from fleet_ext import capability  # noqa: E402
 capability.prepare_triton()
 
 from fleet_ext.config import load_config  # noqa: E402
-from fleet_ext.ops.moe_experts import function, kernel  # noqa: E402
+from fleet_ext.ops.moe_experts import function, kernel, kernel_tiles  # noqa: E402
 from fleet_ext.registry import FUSIONS  # noqa: E402
 
 FORWARD = {"_grouped_gate_up": 1, "_grouped_rows_mm": 1}  # gate+up with the SwiGLU epilogue; down
@@ -198,6 +203,40 @@ def test_bad_inputs_raise_naming_the_tensor():
         function.experts(x, counts, w1, w2, -1.0)
     with pytest.raises(ValueError, match=r"`rows` must be float32 on CPU"):
         function.experts(x.astype("float64"), counts, w1.astype("float64"), w2.astype("float64"), 1.0)
+
+
+def test_load_paths_and_grid_kinds_give_the_same_bytes():
+    """Pointer loads and TMA-descriptor loads, one program per tile or a persistent grid, on aligned shapes with
+    rows past the counts (zero tiles): every result byte-identical, each run on the path asked for (6 launches
+    each); odd widths fall back to the pointer path. (The interpreter runs a flattened persistent loop as a plain
+    one: ``persistent`` 1 and 2 are one code path here.) Negative control: a weight one ulp off fails the bitwise
+    check."""
+    x, counts, w1, w2, g = _data(12, 16, 8, 4, 2, "empty_experts", 1.0)  # D 16, I 8: 16-byte aligned fp32 rows
+    x = np.concatenate([x, np.ones((3, x.shape[1]), "float32")])
+    g = np.concatenate([g, np.ones((3, g.shape[1]), "float32")])
+    runs = {}
+    for tma, persistent in ((False, 0), (True, 0), (True, 2)):
+        kernel_tiles.PATH_COUNTS.clear()
+        with kernel.launch_overrides(tma=tma, persistent=persistent):
+            runs[tma, persistent] = _run(function.experts, x, counts, w1, w2, g, 1.0)
+        assert {k[1:] for k in kernel_tiles.PATH_COUNTS} == {
+            ("tma" if tma else "pointer", kernel_tiles.GRID_KINDS[persistent])}
+        assert sum(kernel_tiles.PATH_COUNTS.values()) == 6
+    first = runs[False, 0]
+    assert not first["out"][-3:].any() and not first["d_rows"][-3:].any()
+    for variant, got in runs.items():
+        for key in first:
+            assert_bitwise(got[key], first[key], f"load path / grid {variant}: {key}")
+    kernel_tiles.PATH_COUNTS.clear()
+    odd = _data(7, 19, 5, 3, 1, "random", 2.0)  # D 19: rows not 16-byte aligned
+    with kernel.launch_overrides(tma=True, persistent=2):
+        _run(function.experts, *odd, 2.0)
+    assert {k[1] for k in kernel_tiles.PATH_COUNTS} == {"pointer"}
+    w1_off = w1.copy()
+    w1_off[0, 0, 0] = np.nextafter(w1_off[0, 0, 0], np.float32(np.inf))
+    planted = _run(function.experts, x, counts, w1_off, w2, g, 1.0)
+    with pytest.raises(AssertionError):
+        assert_bitwise(planted["out"], first["out"], "planted: one weight one ulp off")
 
 
 # -- the tiny model, switch off vs on --------------------------------------------------------------------------

@@ -55,7 +55,11 @@ def _run(overrides: dict) -> dict[str, np.ndarray]:
 def _close(reference: dict, fused: dict) -> None:
     assert reference.keys() == fused.keys(), sorted(reference.keys() ^ fused.keys())
     for key, ref in reference.items():
-        assert_close(fused[key], ref, "fp32", "triton_sparse_attn", what=key)
+        # mHC's mixing parameters (a few entries each) are small cancelling sums: per element, the core's ~1e-7
+        # reordering error lands at up to ~2e-5 of their largest entry depending on the CPU's BLAS; held to the
+        # model-level entry instead (relative norm, documented for exactly these sums), where a wrong kernel is O(1)
+        entry = "model_triton_sparse_attn" if ".mhc" in key else "triton_sparse_attn"
+        assert_close(fused[key], ref, "fp32", entry, what=key)
 
 
 @pytest.mark.parametrize(

@@ -16,13 +16,15 @@ in V4-Flash); everything else per token is tiny (24 mixing logits, an n x n matr
 - *combine forward* (``_mhc_combine_fwd``): ``X'_k = post_k f + sum_j comb[j, k] X_j`` on [tokens, D] tiles:
   one read of X and f, one write of X'. It cannot join the pre kernels: the attention or MLP block runs between.
 - *pre backward*, three kernels. ``_mhc_pre_bwd`` per token block: ``g_pre`` (a pass over X and ``g_y``), the
-  gates' and Sinkhorn's backward in registers, then per token what the streams' gradient needs (``G = g_mix r``,
-  a scalar, the pre gate) and the block's sums for ``g_base`` / ``g_scale``. ``_mhc_dx_bwd``: one channel tile of
-  one stream (``fn``'s slab loaded once) over a run of tokens, in order: the streams' gradient (the second pass
-  over X) and that run's share of ``g_fn = G^T X`` (``SPLITS`` runs). ``_mhc_params_bwd``: the shares of ``g_fn``
-  and the blocks' sums added in a fixed order.
-- *combine backward* (``_mhc_combine_bwd``): per token, every reduction (``g_post``, ``g_comb`` over D) inside
-  one program, in order.
+  gates' and Sinkhorn's backward (its 2 ITERS - 1 states stored once to a scratch buffer, or recomputed per step
+  with ``STATES`` 0), then per token what the streams' gradient needs (``G = g_mix r``, a scalar, the pre gate)
+  and the block's sums for ``g_base`` / ``g_scale``. ``_mhc_dx_bwd``: one channel tile of one stream (``fn``'s
+  slab loaded once) over a run of tokens, in order: the streams' gradient (the second pass over X) and that run's
+  share of ``g_fn = G^T X`` (``SPLITS`` runs), accumulated as ``X^T G`` so that both products are Hopper
+  warp-group MMAs. ``_mhc_params_bwd``: the shares of ``g_fn`` and the blocks' sums added in a fixed order.
+- *combine backward* (``_mhc_combine_bwd``): BT tokens per program (1 on a GPU) over all their channels: one
+  read of X, the output gradient and f, one write of ``g_x`` and ``g_f``; ``g_post`` and ``g_comb`` (sums over
+  D) are summed inside each thread across the channel tiles and across threads once at the end, in order.
 
 Deterministic: every sum has one fixed order for a given launch geometry (no atomics), so results are
 byte-identical run to run.
@@ -62,27 +64,40 @@ KERNELS = ("_mhc_proj_fwd", "_mhc_pre_fwd", "_mhc_combine_fwd", "_mhc_pre_bwd", 
            "_mhc_combine_bwd")
 
 # GPU launch geometry per kernel (tokens per program BT, channel tiles BK / BD, the number of splits of K or of
-# the tokens SPLITS, warps) and the product modes; TUNE overrides any key without editing the module (the
-# benchmark's sweep). Each value is the fastest of the H200 sweep of 2026-12-01 (benchmarks/RESULTS.md, fused
-# mHC): pre forward 391 us at the run's defaults, 373 with proj BT 256, 373 with pre_fwd (4, 512, 8 warps); pre
-# backward 4698 us with dx (BT 32, BD 32, 8 warps), 1788 with BD 64 and 4 warps; combine from run 3's sweep.
-# The three changes from the tested defaults left every output byte-identical in that sweep (they change no sum's
-# order; SPLITS, BK and pre_bwd's BD do).
+# the tokens SPLITS, warps, software-pipelining stages; STATES / PIECES: kernel_bwd) and the product modes; TUNE
+# overrides any key without editing the module (the benchmark's sweep). Each value is the fastest of the H200
+# sweeps of 2026-12-01 (benchmarks/RESULTS.md, fused mHC). Forward: 391 us at the first run's defaults, 373 with
+# proj BT 256, 373 with pre_fwd (4, 512, 8 warps). Pre backward (the op, three kernels): 1054 us with pre_bwd
+# (8, 256, 4 warps), 985 with (32, 256, 8 warps); then 852 with dx on G's pre-split pieces (PIECES; 1037 without),
+# dx's other geometries 864-1394, pre_bwd's 870-947 (STATES 0, the recomputed Sinkhorn states: 947). Combine
+# backward: 449 us at one token and 4 warps per program, its variants 452-497; its BD is a multiple of
+# 32 x num_warps x the 16-byte vector, which its layout needs (``kernel_bwd._mhc_combine_bwd``).
 GPU_CONFIG: dict[str, dict[str, int]] = {
     "proj": {"BT": 256, "BK": 64, "SPLITS": 8, "num_warps": 8},
     "pre_fwd": {"BT": 4, "BD": 512, "num_warps": 8},
-    "pre_bwd": {"BT": 8, "BD": 256, "num_warps": 4},
-    "dx": {"BT": 32, "BD": 64, "SPLITS": 8, "num_warps": 4},
+    "pre_bwd": {"BT": 32, "BD": 256, "num_warps": 8, "STATES": 1},
+    "dx": {"BT": 64, "BD": 64, "SPLITS": 8, "num_warps": 4, "num_stages": 3, "PIECES": 1},
     "params": {"BLOCK": 1024, "BB": 64, "num_warps": 4},
     "combine_fwd": {"BT": 4, "BD": 512, "num_warps": 8},
-    "combine_bwd": {"BT": 4, "BD": 256, "num_warps": 8},
+    "combine_bwd": {"BT": 1, "VECS": 1, "num_warps": 4},
 }
+# Launch geometries the H200 sweep times against the defaults (scripts/bench/bench_mhc.py, one kernel changed at a
+# time) and the GPU tests hold to the defaults' tolerances (tests/gpu/test_mhc_gpu.py), so that any of them can
+# become a default on the sweep's word. ``pre_bwd`` STATES 0 recomputes the Sinkhorn states (the same bytes).
+GEOMETRY_VARIANTS: tuple[dict[str, dict[str, int]], ...] = (
+    *({"dx": c} for c in ({"PIECES": 0}, {"num_stages": 2}, {"num_stages": 4}, {"SPLITS": 4},
+                          {"BD": 128, "num_warps": 8, "num_stages": 2}, {"BT": 128, "num_warps": 8, "num_stages": 2})),
+    *({"pre_bwd": c} for c in ({"STATES": 0}, {"BT": 8, "num_warps": 4}, {"BT": 16}, {"BT": 64},
+                               {"num_warps": 4})),
+    *({"combine_bwd": c} for c in ({"num_warps": 8}, {"BT": 2})),
+)
 # Tile products (``kernel_fwd._dot``): with one bf16-exact operand, the streams ("dot": "bf16x3" or "tf32x3"),
 # and with two fp32 operands, the streams' gradient's G @ fn ("gx": "tf32x3" or "bf16x6", fp32 accuracy, or
 # "bf16x3", ~2^-16 relative, taken only where that gradient is rounded to bf16: fp32 streams get "tf32x3").
 PRODUCTS = {"dot": "bf16x3", "gx": "bf16x3"}
 TUNE: dict[str, Any] = {}  # e.g. {"proj": {"SPLITS": 4}, "dot": "tf32x3"}
-HOST_KEYS = ("SPLITS",)  # launch-geometry keys the host uses (not kernel meta-parameters)
+HOST_KEYS = ("SPLITS", "VECS", "PIECES")  # launch-geometry keys the host uses (not kernel meta-parameters)
+COMPILER_KEYS = ("num_warps", "num_stages")  # what the interpreter has no use for
 
 
 def is_interpreted() -> bool:
@@ -109,10 +124,10 @@ def _config(kind: str, n: int, d: int) -> dict[str, int]:
     if is_interpreted():
         width = min(_pow2(d), 256)
         cfg = {"proj": {"BT": 128, "BK": min(_pow2(n * d), 1024), "SPLITS": 1},
-               "pre_fwd": {"BT": 128, "BD": width}, "pre_bwd": {"BT": 128, "BD": width},
-               "dx": {"BT": 128, "BD": width, "SPLITS": 1}, "params": {"BLOCK": 4096, "BB": 64},
-               "combine_fwd": {"BT": 64, "BD": width}, "combine_bwd": {"BT": 64, "BD": width}}[kind]
-        return {**cfg, **{k: v for k, v in TUNE.get(kind, {}).items() if k != "num_warps"}}
+               "pre_fwd": {"BT": 128, "BD": width}, "pre_bwd": {"BT": 128, "BD": width, "STATES": 1},
+               "dx": {"BT": 128, "BD": width, "SPLITS": 1, "PIECES": 1}, "params": {"BLOCK": 4096, "BB": 64},
+               "combine_fwd": {"BT": 64, "BD": width}, "combine_bwd": {"BT": 64, "BD": width, "V": 4}}[kind]
+        return {**cfg, **{k: v for k, v in TUNE.get(kind, {}).items() if k not in COMPILER_KEYS}}
     cfg = {**GPU_CONFIG[kind], **TUNE.get(kind, {})}
     for key in ("BK", "BD"):  # never wider than the row (masks cover the rest); tl.dot wants >= 16
         if key in cfg:
@@ -233,19 +248,23 @@ def pre_backward(x: Any, fn_w: Any, base: Any, scale: Any, mix: Any, r: Any, d_p
     dot, gx = _products(x)
     if t > 0:
         dz = empty_like(x, shape=[t, nout], dtype=f32)
-        g = empty_like(x, shape=[t, no], dtype=f32)
+        pieces = dot == DOT_BF16X3 and gx in (DOT_BF16X6, DOT_BF16X3_ROUNDED) and bool(cfg_dx["PIECES"])
+        g = empty_like(x, shape=[3, t, no]) if pieces else empty_like(x, shape=[t, no], dtype=f32)
         coef = empty_like(x, shape=[t], dtype=f32)
         pre = empty_like(x, shape=[t, p], dtype=f32)
+        states = not head and iterations > 1 and bool(cfg["STATES"])
+        scratch = empty_like(x, shape=[t, 2 * iterations - 1, p, p], dtype=f32) if states else dz
         launch(
             _mhc_pre_bwd, (blocks,),
             detached(x), detached(base), detached(scale), detached(mix), detached(r),
             detached(d_y if head else d_post), detached(d_y if head else d_comb), detached(d_y), dz, g, coef, pre,
-            sums, t, float(eps), **common, **_meta(cfg),
+            sums, scratch, t, float(eps), **common, **_meta({**cfg, "STATES": states}), PIECES=pieces,
         )
         launch(
             _mhc_dx_bwd, (n * triton.cdiv(d, cfg_dx["BD"]), splits),
             detached(x), detached(fn_w), g, pre, coef, detached(d_y), g_x, part, t, per,
-            N=n, P=p, D=d, NOUT=nout, NO=no, GX=gx, DOT=dot, DOWNCAST=dtype_name(x) != "float32", **_meta(cfg_dx),
+            N=n, P=p, D=d, NOUT=nout, NO=no, GX=gx, DOT=dot, DOWNCAST=dtype_name(x) != "float32", PIECES=pieces,
+            **_meta(cfg_dx),
         )
     cfg = _config("params", n, d)
     launch(
@@ -279,6 +298,18 @@ def combine_forward(x: Any, f: Any, post: Any, comb: Any) -> Any:
     return out
 
 
+def _combine_bwd_config(x: Any, n: int, d: int) -> dict[str, int]:
+    """The combine backward's geometry: on a GPU its channel tile is ``VECS`` 16-byte vectors per thread of every
+    thread of the program (``BD = VECS x 32 x num_warps x V``, V channels per vector), the layout its kernel needs
+    (``kernel_bwd._mhc_combine_bwd``), but no wider than the row needs."""
+    cfg = _config("combine_bwd", n, d)
+    if is_interpreted():
+        return cfg
+    vec = 16 // (4 if dtype_name(x) == "float32" else 2)
+    width = 32 * cfg["num_warps"] * vec
+    return {**cfg, "V": vec, "BD": width * max(1, min(cfg["VECS"], triton.cdiv(d, width)))}
+
+
 def combine_backward(x: Any, f: Any, post: Any, comb: Any, d_out: Any) -> tuple[Any, Any, Any, Any]:
     """``(g_x, g_f, g_post, g_comb)`` of :func:`combine_forward` given ``d_out`` (like x)."""
     t, n, d = _check_combine(x, f, post, comb, "mhc_combine (backward)")
@@ -289,15 +320,15 @@ def combine_backward(x: Any, f: Any, post: Any, comb: Any, d_out: Any) -> tuple[
     g_comb = empty_like(x, shape=[t, n, n], dtype=f32)
     if t == 0:
         return g_x, g_f, g_post, g_comb
-    cfg = _config("combine_bwd", n, d)
+    cfg = _combine_bwd_config(x, n, d)
     launch(
         _mhc_combine_bwd, (triton.cdiv(t, cfg["BT"]),),
         detached(x), detached(f), detached(post), detached(comb), detached(d_out), g_x, g_f, g_post, g_comb, t,
         N=n, P=triton.next_power_of_2(n), D=d, DOWNCAST_X=dtype_name(x) != "float32",
-        DOWNCAST_F=dtype_name(f) != "float32", **cfg,
+        DOWNCAST_F=dtype_name(f) != "float32", **_meta(cfg),
     )
     return g_x, g_f, g_post, g_comb
 
 
-__all__ = ["FLOAT_DTYPES", "GPU_CONFIG", "KERNELS", "PRODUCTS", "TUNE", "combine_backward", "combine_forward",
-           "is_interpreted", "pre_backward", "pre_forward"]
+__all__ = ["FLOAT_DTYPES", "GEOMETRY_VARIANTS", "GPU_CONFIG", "KERNELS", "PRODUCTS", "TUNE", "combine_backward",
+           "combine_forward", "is_interpreted", "pre_backward", "pre_forward"]

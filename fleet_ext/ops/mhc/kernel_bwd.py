@@ -6,13 +6,14 @@ Pre backward, per token (``g_*`` are gradients of the loss):
 
 - ``g_pre[j] = sum_d g_y[d] x[j, d]`` (first pass over the streams); the gates' logits get
   ``g_z = g_pre s (1 - s)`` (pre), ``2 g_post s (1 - s)`` (post) and the Sinkhorn backward (comb);
-- the Sinkhorn backward differentiates the unrolled iterations; the state entering step k is recomputed from
-  the logits (``k`` forward steps, O(ITERS^2) small n x n operations in registers instead of storing
-  2 * ITERS states per token);
+- the Sinkhorn backward differentiates the unrolled iterations; the states it needs are either stored once to a
+  scratch buffer ([T, 2 ITERS - 1, n, n] fp32, ``STATES``: O(ITERS) small n x n operations) or recomputed from
+  the logits for every step (O(ITERS^2) operations in registers, no scratch); the same bytes either way;
 - ``g_mix = g_z * scale``; with ``r = rsqrt(mean(x^2) + eps)`` and ``mix = r (x @ fn^T)``:
   ``g_x = pre_j g_y + r (g_mix @ fn) - x r^2 / (nD) sum_c g_mix[c] mix[c]`` (second pass).
 
-``_mhc_pre_bwd`` writes ``g_z`` [T, NOUT], ``G = g_mix r`` [T, NO], ``coef = -r^2 / (nD) sum_c g_mix mix`` [T],
+``_mhc_pre_bwd`` writes ``g_z`` [T, NOUT], ``G = g_mix r`` [T, NO] (fp32, or its three bf16 pieces [3, T, NO]),
+``coef = -r^2 / (nD) sum_c g_mix mix`` [T],
 the pre gate [T, P] and, per token block, ``sum_t g_z`` and ``sum_t g_z mix``. ``_mhc_dx_bwd`` computes
 ``g_x = pre_j g_y + G @ fn + coef x`` on a channel tile of one stream over a run of tokens, and that run's
 ``G^T @ x`` (its share of ``g_fn``); ``_mhc_params_bwd`` adds the runs' shares (``g_fn``) and the blocks' sums
@@ -29,6 +30,7 @@ from fleet_ext.ops.mhc.kernel_fwd import (
     _bf16_pieces,
     _comb_tile,
     _dot,
+    _dot3,
     _dot_split,
     _group_scale,
     _logits,
@@ -64,6 +66,35 @@ def _sinkhorn_bwd(z, g, valid, rows, eps, ITERS: tl.constexpr):
 
 
 @triton.jit
+def _sinkhorn_bwd_stored(z, g, valid, rows, eps, states, mask, ITERS: tl.constexpr, PP: tl.constexpr):
+    """``_sinkhorn_bwd`` with the forward's states stored once instead of recomputed for every step: O(ITERS)
+    small operations instead of O(ITERS^2). ``states`` [BT, P, P] points at this block's first slot of a
+    [T, 2 ITERS - 1, P, P] fp32 scratch (slot 2m: the state after m row normalisations, 2m - 1: the column
+    normalisation before it), ``mask`` the valid entries of real tokens. The same operations in the same order as
+    the recomputation, so the same bytes."""
+    s = _softmax_rows(z, valid, rows)
+    a0 = tl.where(valid, s + eps, 0.0)
+    a = a0
+    for m in range(1, ITERS):
+        b = a / (tl.reduce(a, 1, _sum_combine)[:, None, :] + eps)
+        a = b / (tl.reduce(b, 2, _sum_combine)[:, :, None] + eps)
+        tl.store(states + (2 * m - 1) * PP, b, mask=mask)
+        tl.store(states + (2 * m) * PP, a, mask=mask)
+    tl.debug_barrier()  # read back below in the same layout; L2 (.cg), as ``kernel_fwd._logits`` says why
+    for k in range(ITERS - 1):
+        step = ITERS - 1 - k
+        a = tl.load(states + (2 * step) * PP, mask=mask, other=0.0, cache_modifier=".cg")
+        b = tl.load(states + (2 * step - 1) * PP, mask=mask, other=0.0, cache_modifier=".cg")
+        c = tl.reduce(a, 1, _sum_combine)[:, None, :] + eps  # the step's column normalisation, backwards
+        g = tl.where(valid, (g - tl.reduce(g * (a / c), 1, _sum_combine)[:, None, :]) / c, 0.0)
+        c = tl.reduce(b, 2, _sum_combine)[:, :, None] + eps  # its row normalisation, backwards
+        g = tl.where(valid, (g - tl.reduce(g * (b / c), 2, _sum_combine)[:, :, None]) / c, 0.0)
+    c = tl.sum(a0, axis=1)[:, None, :] + eps
+    g = tl.where(valid, (g - tl.sum(g * (a0 / c), axis=1)[:, None, :]) / c, 0.0)
+    return s * (g - tl.sum(g * s, axis=2)[:, :, None])
+
+
+@triton.jit
 def _gate_grad_pass(x_ptr, dy_ptr, t, t_mask, N: tl.constexpr, P: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
                     BD: tl.constexpr):
     """``g_pre [BT, P] = sum_d g_y[t, d] x[t, j, d]`` (first pass over the streams)."""
@@ -77,8 +108,9 @@ def _gate_grad_pass(x_ptr, dy_ptr, t, t_mask, N: tl.constexpr, P: tl.constexpr, 
 
 
 @triton.jit
-def _logit_grads(mix_ptr, base_ptr, scale_ptr, dpost_ptr, dcomb_ptr, dz_ptr, d_pre, t, t_mask, eps,
-                 N: tl.constexpr, P: tl.constexpr, NOUT: tl.constexpr, ITERS: tl.constexpr, HEAD: tl.constexpr):
+def _logit_grads(mix_ptr, base_ptr, scale_ptr, dpost_ptr, dcomb_ptr, dz_ptr, states_ptr, d_pre, t, t_mask, eps,
+                 N: tl.constexpr, P: tl.constexpr, NOUT: tl.constexpr, ITERS: tl.constexpr, HEAD: tl.constexpr,
+                 STATES: tl.constexpr):
     """Store ``g_z`` [T, NOUT]: the gates' backward (sigmoid, 2 sigmoid, Sinkhorn) from their output gradients."""
     p = tl.arange(0, P)[None, :]
     tt = t[:, None]
@@ -94,26 +126,33 @@ def _logit_grads(mix_ptr, base_ptr, scale_ptr, dpost_ptr, dcomb_ptr, dz_ptr, d_p
         t3_mask = t_mask[:, None, None]
         z = _logits(mix_ptr, base_ptr, scale_ptr, t3, t3_mask, 2 * N + i * N + j, valid, 2, NOUT)
         g = tl.load(dcomb_ptr + t3 * (N * N) + i * N + j, mask=t3_mask & valid, other=0.0)
-        tl.store(dz_ptr + t3 * NOUT + 2 * N + i * N + j, _sinkhorn_bwd(z, g, valid, rows, eps, ITERS),
-                 mask=t3_mask & valid)
+        if STATES:
+            states = states_ptr + t3 * ((2 * ITERS - 1) * P * P) + i * P + j
+            g = _sinkhorn_bwd_stored(z, g, valid, rows, eps, states, t3_mask & valid, ITERS, P * P)
+        else:
+            g = _sinkhorn_bwd(z, g, valid, rows, eps, ITERS)
+        tl.store(dz_ptr + t3 * NOUT + 2 * N + i * N + j, g, mask=t3_mask & valid)
 
 
 @triton.jit
 def _mhc_pre_bwd(
     x_ptr, base_ptr, scale_ptr, mix_ptr, r_ptr, dpost_ptr, dcomb_ptr, dy_ptr, dz_ptr, g_ptr, coef_ptr, pre_ptr,
-    sums_ptr, T, eps,
+    sums_ptr, states_ptr, T, eps,
     N: tl.constexpr, P: tl.constexpr, D: tl.constexpr, NOUT: tl.constexpr, NO: tl.constexpr,
-    ITERS: tl.constexpr, HEAD: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    ITERS: tl.constexpr, HEAD: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, STATES: tl.constexpr,
+    PIECES: tl.constexpr,
 ):
     """BT tokens: g_pre (one pass over the streams), the logits' gradient ``g_z`` (stored, read back after a
     barrier), then per token what the streams' gradient needs (``_mhc_dx_bwd``): ``G = g_mix r`` [T, NO] (0 past
-    NOUT), ``coef`` [T] and the pre gate [T, P]; and this block's sums of ``g_z`` and ``g_z mix`` (``sums``)."""
+    NOUT; with ``PIECES`` its three bf16 pieces [3, T, NO]), ``coef`` [T] and the pre gate [T, P]; and this
+    block's sums of ``g_z`` and ``g_z mix`` (``sums``). ``STATES``: the Sinkhorn backward stores its states to
+    ``states_ptr`` [T, 2 ITERS - 1, P, P] instead of recomputing them (``_sinkhorn_bwd_stored``)."""
     pid = tl.program_id(0)
     t = pid.to(tl.int64) * BT + tl.arange(0, BT)
     t_mask = t < T
     d_pre = _gate_grad_pass(x_ptr, dy_ptr, t, t_mask, N, P, D, BT, BD)
-    _logit_grads(mix_ptr, base_ptr, scale_ptr, dpost_ptr, dcomb_ptr, dz_ptr, d_pre, t, t_mask, eps, N, P, NOUT,
-                 ITERS, HEAD)
+    _logit_grads(mix_ptr, base_ptr, scale_ptr, dpost_ptr, dcomb_ptr, dz_ptr, states_ptr, d_pre, t, t_mask, eps, N,
+                 P, NOUT, ITERS, HEAD, STATES)
     tl.debug_barrier()  # g_z is read back as [BT, NO] rows (other threads' stores)
     c = tl.arange(0, NO)
     mask = t_mask[:, None] & (c < NOUT)[None, :]
@@ -121,7 +160,14 @@ def _mhc_pre_bwd(
     mix = tl.load(mix_ptr + t[:, None] * NOUT + c[None, :], mask=mask, other=0.0)
     r = tl.load(r_ptr + t, mask=t_mask, other=0.0)
     d_mix = dz * _group_scale(scale_ptr, c, N, HEAD)[None, :]
-    tl.store(g_ptr + t[:, None] * NO + c[None, :], d_mix * r[:, None], mask=t_mask[:, None])
+    g_ptrs = g_ptr + t[:, None] * NO + c[None, :]
+    if PIECES:  # G as its three bf16 pieces [3, T, NO], split once here instead of in every _mhc_dx_bwd program
+        g_hi, g_mid, g_lo = _bf16_pieces(d_mix * r[:, None])
+        tl.store(g_ptrs, g_hi, mask=t_mask[:, None])
+        tl.store(g_ptrs + T * NO, g_mid, mask=t_mask[:, None])
+        tl.store(g_ptrs + 2 * T * NO, g_lo, mask=t_mask[:, None])
+    else:
+        tl.store(g_ptrs, d_mix * r[:, None], mask=t_mask[:, None])
     tl.store(coef_ptr + t, -((r * r) / (N * D)) * tl.sum(d_mix * mix, axis=1), mask=t_mask)
     p = tl.arange(0, P)[None, :]
     pre = _sigmoid(_logits(mix_ptr, base_ptr, scale_ptr, t[:, None], t_mask[:, None], p, p < N, 0, NOUT)) + eps
@@ -134,13 +180,17 @@ def _mhc_pre_bwd(
 def _mhc_dx_bwd(
     x_ptr, fn_ptr, g_ptr, pre_ptr, coef_ptr, dy_ptr, dx_ptr, part_ptr, T, TS,
     N: tl.constexpr, P: tl.constexpr, D: tl.constexpr, NOUT: tl.constexpr, NO: tl.constexpr, BT: tl.constexpr,
-    BD: tl.constexpr, GX: tl.constexpr, DOT: tl.constexpr, DOWNCAST: tl.constexpr,
+    BD: tl.constexpr, GX: tl.constexpr, DOT: tl.constexpr, DOWNCAST: tl.constexpr, PIECES: tl.constexpr,
 ):
     """Program (i, s): channels ``[b BD, (b + 1) BD)`` of stream ``j`` (``i = b N + j``: the N streams of one
     channel tile run side by side, so ``g_y``'s tile is read from memory once; ``fn``'s slab is loaded once) over
     the tokens ``[s TS, (s + 1) TS)`` in order: the streams' gradient ``g_x = pre_j g_y + G @ fn + coef x``
     (second pass), and ``part[s] = G^T @ x`` [NO, N D] summed over those tokens (the parameter gradient's split;
-    ``_mhc_params_bwd`` adds the splits in order)."""
+    ``_mhc_params_bwd`` adds the splits in order). The split is accumulated transposed, ``x^T @ G`` [BD, NO]:
+    both products then have BT or BD rows (>= 64: Hopper's warp-group MMA). With ``PIECES`` (bf16 streams, both
+    products on ``G``'s bf16 pieces) ``G`` comes as the pieces ``_mhc_pre_bwd`` split once per token: no fp32 ``G``
+    and no splitting in each of the N D / BD programs that read a token, fewer registers (168 instead of 212 at
+    64 x 64 tiles in the compiled sm90 code: three programs per SM instead of two)."""
     K: tl.constexpr = N * D
     split = tl.program_id(1)
     j = tl.program_id(0) % N
@@ -151,26 +201,38 @@ def _mhc_dx_bwd(
     w = tl.load(fn_ptr + c[:, None] * K + k[None, :], mask=(c < NOUT)[:, None] & d_mask[None, :], other=0.0)
     if GX >= 3:  # fn's pieces once per program
         w_hi, w_mid, w_lo = _bf16_pieces(w)
-    acc = tl.zeros([NO, BD], dtype=tl.float32)
+    acc = tl.zeros([BD, NO], dtype=tl.float32)
     t_end = tl.minimum(split * TS + TS, T)
     for t0 in range(split * TS, t_end, BT):
         t = t0 + tl.arange(0, BT).to(tl.int64)
         t_mask = t < t_end
         mask = t_mask[:, None] & d_mask[None, :]
-        g = tl.load(g_ptr + t[:, None] * NO + c[None, :], mask=t_mask[:, None], other=0.0)
+        g_ptrs = g_ptr + t[:, None] * NO + c[None, :]
         x = tl.load(x_ptr + t[:, None] * K + k[None, :], mask=mask, other=0.0)
         dy = tl.load(dy_ptr + t[:, None] * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
         pre = tl.load(pre_ptr + t * P + j, mask=t_mask, other=0.0)
         coef = tl.load(coef_ptr + t, mask=t_mask, other=0.0)
-        if GX >= 3:
+        if PIECES:  # G's bf16 pieces as _mhc_pre_bwd stored them (GX >= 3, DOT == 2)
+            g_hi = tl.load(g_ptrs, mask=t_mask[:, None], other=0.0)
+            g_mid = tl.load(g_ptrs + T * NO, mask=t_mask[:, None], other=0.0)
+            g_lo = tl.load(g_ptrs + 2 * T * NO, mask=t_mask[:, None], other=0.0)
+            gx = _dot_split(g_hi, g_mid, g_lo, w_hi, w_mid, w_lo, GX)
+            acc += _dot3(tl.trans(x.to(tl.bfloat16)), g_hi, g_mid, g_lo)
+        elif GX >= 3:
+            g = tl.load(g_ptrs, mask=t_mask[:, None], other=0.0)
             g_hi, g_mid, g_lo = _bf16_pieces(g)
             gx = _dot_split(g_hi, g_mid, g_lo, w_hi, w_mid, w_lo, GX)
+            if DOT == 2:  # x exact in bf16: the three products with G's pieces (kernel_fwd._dot3)
+                acc += _dot3(tl.trans(x.to(tl.bfloat16)), g_hi, g_mid, g_lo)
+            else:
+                acc += _dot(tl.trans(x), g, DOT, 1)
         else:
+            g = tl.load(g_ptrs, mask=t_mask[:, None], other=0.0)
             gx = _dot(g, w, GX, 0)
+            acc += _dot(tl.trans(x), g, DOT, 1)
         dx = pre[:, None] * dy + gx + coef[:, None] * x.to(tl.float32)
         _store_rounded(dx_ptr + t[:, None] * K + k[None, :], dx, mask, DOWNCAST)
-        acc += _dot(tl.trans(g), x, DOT, 2)
-    tl.store(part_ptr + (split.to(tl.int64) * NO + c[:, None]) * K + k[None, :], acc, mask=d_mask[None, :])
+    tl.store(part_ptr + (split.to(tl.int64) * NO + c[None, :]) * K + k[:, None], acc, mask=d_mask[:, None])
 
 
 @triton.jit
@@ -222,35 +284,44 @@ def _mhc_params_bwd(
 @triton.jit
 def _mhc_combine_bwd(
     x_ptr, f_ptr, post_ptr, comb_ptr, dout_ptr, dx_ptr, df_ptr, dpost_ptr, dcomb_ptr, T,
-    N: tl.constexpr, P: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    N: tl.constexpr, P: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, V: tl.constexpr,
     DOWNCAST_X: tl.constexpr, DOWNCAST_F: tl.constexpr,
 ):
-    """BT tokens over all channels: ``g_x[j] = sum_k comb[j, k] g[k]``, ``g_f = sum_k post_k g[k]`` per tile;
-    ``g_post[k] = sum_d g[k] f`` and ``g_comb[j, k] = sum_d x[j] g[k]`` summed over the tiles in order."""
-    t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
-    t_mask = t < T
-    p = tl.arange(0, P)[None, :]
-    post = tl.load(post_ptr + t[:, None] * N + p, mask=t_mask[:, None] & (p < N), other=0.0)
-    d_post = tl.zeros([BT, P], dtype=tl.float32)
-    d_comb = tl.zeros([BT, P, P], dtype=tl.float32)
-    for d0 in range(0, D, BD):
-        d = d0 + tl.arange(0, BD)
-        d_mask = d < D
-        mask = t_mask[:, None] & d_mask[None, :]
-        g3 = _stream_tile(dout_ptr, t, t_mask, d, d_mask, N, P, D)
-        f = tl.load(f_ptr + t[:, None] * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
-        _store_rounded(df_ptr + t[:, None] * D + d[None, :], tl.sum(post[:, :, None] * g3, axis=1), mask, DOWNCAST_F)
-        d_post += tl.sum(g3 * f[:, None, :], axis=2)
-        for j in range(N):
-            c_j = tl.load(comb_ptr + t[:, None] * (N * N) + j * N + p, mask=t_mask[:, None] & (p < N), other=0.0)
-            dx_ptrs = dx_ptr + t[:, None] * (N * D) + j * D + d[None, :]
-            _store_rounded(dx_ptrs, tl.sum(c_j[:, :, None] * g3, axis=1), mask, DOWNCAST_X)
-            x_j = tl.load(x_ptr + t[:, None] * (N * D) + j * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
-            row = tl.sum(x_j[:, None, :] * g3, axis=2)
-            d_comb += tl.where(p[:, :, None] == j, row[:, None, :], 0.0)
-    tl.store(dpost_ptr + t[:, None] * N + p, d_post, mask=t_mask[:, None] & (p < N))
-    i = tl.arange(0, P)[None, :, None]
-    k = tl.arange(0, P)[None, None, :]
-    tl.store(dcomb_ptr + t[:, None, None] * (N * N) + i * N + k, d_comb,
-             mask=t_mask[:, None, None] & (i < N) & (k < N))
+    """BT tokens, all channels in tiles of BD = TH x V: per tile ``g_x[j] = sum_k comb[j, k] g[k]`` and
+    ``g_f = sum_k post_k g[k]`` (stored), and the products ``x[j] g[k]``, ``g[k] f`` summed over each thread's V
+    adjacent channels only (``reshape`` to [.., TH, V], a sum inside the thread), kept per thread across the
+    tiles; the sums over the TH threads' shares happen once, after the last tile (``g_post``, ``g_comb``): no
+    reduction across threads per tile. Each (token, j, k) sum has one order for a given geometry.
 
+    Layout (read off the compiled sm90 code, no layout conversion in the loop): x as [BT, P, 1, BD] and g as
+    [BT, 1, P, BD], so both loads, their broadcast product and the stores share one layout (16-byte vectors of V
+    channels per thread, the threads and warps along the channels, the streams in registers) when BD is a
+    multiple of V x 32 x num_warps: ``kernel.combine_backward`` sizes it so."""
+    TH: tl.constexpr = BD // V
+    t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)[:, None, None, None]  # [BT, 1, 1, 1]
+    t_mask = t < T
+    j = tl.arange(0, P)[None, :, None, None]  # [1, P, 1, 1]: the streams of x and of its gradient
+    k = tl.arange(0, P)[None, None, :, None]  # [1, 1, P, 1]: the streams of the output gradient
+    p = tl.arange(0, P)
+    t2 = t.reshape(BT, 1)
+    post = tl.load(post_ptr + t2 * N + p[None, :], mask=(t2 < T) & (p < N)[None, :], other=0.0)[:, None, :, None]
+    t3 = t.reshape(BT, 1, 1)
+    comb = tl.load(comb_ptr + t3 * (N * N) + p[None, :, None] * N + p[None, None, :],
+                   mask=(t3 < T) & (p < N)[None, :, None] & (p < N)[None, None, :], other=0.0)[:, :, :, None]
+    acc_post = tl.zeros([BT, 1, P, TH], dtype=tl.float32)
+    acc_comb = tl.zeros([BT, P, P, TH], dtype=tl.float32)
+    row = t * (N * D)
+    for d0 in range(0, D, BD):
+        d = d0 + tl.arange(0, BD)[None, None, None, :]
+        dm = t_mask & (d < D)
+        g = tl.load(dout_ptr + row + k * D + d, mask=dm & (k < N), other=0.0).to(tl.float32)  # [BT, 1, P, BD]
+        x = tl.load(x_ptr + row + j * D + d, mask=dm & (j < N), other=0.0).to(tl.float32)  # [BT, P, 1, BD]
+        f = tl.load(f_ptr + t * D + d, mask=dm, other=0.0).to(tl.float32)  # [BT, 1, 1, BD]
+        _store_rounded(df_ptr + t * D + d, tl.sum(post * g, axis=2, keep_dims=True), dm, DOWNCAST_F)
+        _store_rounded(dx_ptr + row + j * D + d, tl.sum(comb * g, axis=2, keep_dims=True), dm & (j < N),
+                       DOWNCAST_X)
+        acc_post += tl.sum(tl.reshape(g * f, [BT, 1, P, TH, V]), axis=4)
+        acc_comb += tl.sum(tl.reshape(x * g, [BT, P, P, TH, V]), axis=4)
+    tl.store(dpost_ptr + t * N + k, tl.sum(acc_post, axis=3, keep_dims=True), mask=t_mask & (k < N))
+    tl.store(dcomb_ptr + t * (N * N) + j * N + k, tl.sum(acc_comb, axis=3, keep_dims=True),
+             mask=t_mask & (j < N) & (k < N))

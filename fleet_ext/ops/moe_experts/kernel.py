@@ -2,13 +2,17 @@
 
 Framework-agnostic host launchers (Paddle or torch tensors, through :mod:`fleet_ext.ops.launch`); this module
 imports neither Paddle nor torch. The rows of expert ``e`` are the contiguous segment
-``[sum(counts[:e]), sum(counts[:e + 1]))`` of ``rows``; ``counts`` stays on the device (no host read):
+``[sum(counts[:e]), sum(counts[:e + 1]))`` of ``rows``; ``counts`` stays on the device (no host read). The tile
+map (device-built from ``counts``), the K loops and the TMA descriptors are in ``kernel_tiles.py``:
 
-- **Tile map, on the device.** A launch has ``cdiv(N, BM) + E`` row tiles (an upper bound on the tiles of the
-  segments, each cut into ``BM``-row tiles, none padded to a capacity: a segment's last tile is masked).
-  Every program finds its own (expert, first row) from ``counts`` (``_locate``: a prefix sum over the experts
-  and a comparison, no search, no table in memory); programs past the last segment's tiles return at once, or
-  (when ``sum(counts) < N``) write zeros into the rows that belong to no expert.
+- **Launch shapes.** One program per output tile (the grid an upper bound on the tiles: ``cdiv(N, BM) + E`` row
+  tiles; programs past the real tiles do nothing), or a *persistent* grid (one program per multiprocessor, each
+  looping over the tiles, the loop over tiles optionally flattened with the K loop so that the next tile's loads
+  overlap this tile's epilogue). Either way every output element is computed by one program in one fixed order,
+  so results do not depend on the launch shape's program count.
+- **Loads.** TMA tensor descriptors where the tensors allow it (16-byte aligned, see
+  ``kernel_tiles.tma_route``), else pointer loads; ``Launch.tma`` chooses. Both paths sum the same products in
+  the same order (a K step of ``BK`` at a time, fp32 accumulation).
 - **Forward.** ``_grouped_gate_up``: ``gate_up = x_e @ W1[e]`` (one program computes the gate columns
   ``[n, n + BN)`` and the matching up columns ``I + n`` together) and, in the epilogue,
   ``h = silu(min(gate, limit)) * clip(up, -limit, limit)`` from the rounded ``gate_up`` (as the reference
@@ -20,165 +24,159 @@ imports neither Paddle nor torch. The rows of expert ``e`` are the contiguous se
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import copy
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import triton
 import triton.language as tl
 
 from fleet_ext.ops.launch import detached, dtype_name, empty_like, launch, shape_of, strides_of
+from fleet_ext.ops.moe_experts.kernel_tiles import (
+    _locate,
+    _row_loop,
+    _row_loop_tma,
+    _segments,
+    _swiglu,
+    _tile_coords,
+    count_path,
+    descriptor,
+    grid_size,
+    tma_route,
+)
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @triton.jit
-def _locate(counts_ptr, N, E, tile, BM: tl.constexpr, E_PAD: tl.constexpr):
-    """(expert, first row of the tile, end of the rows to read, end of the rows to write) of row tile ``tile``.
-
-    Tiles are numbered expert by expert (``cdiv(counts[e], BM)`` each). Past the last expert's tiles the expert
-    is ``E`` (no weight), nothing is read and the tile's rows up to ``N`` are written (zeros).
-    """
-    ex = tl.arange(0, E_PAD)
-    c = tl.load(counts_ptr + ex, mask=ex < E, other=0).to(tl.int32)
-    tile_end = tl.cumsum((c + BM - 1) // BM, axis=0)
-    before = (tile_end <= tile) & (ex < E)  # experts whose tiles all come before this one
-    e = tl.sum(before.to(tl.int32), axis=0)
-    seg_start = tl.sum(tl.where(before, c, 0), axis=0)
-    first_tile = tl.max(tl.where(before, tile_end, 0), axis=0)
-    seg_end = seg_start + tl.sum(tl.where(ex == e, c, 0), axis=0)
-    row0 = seg_start + (tile - first_tile) * BM
-    read_end = tl.minimum(seg_end, N)
-    write_end = tl.where(e < E, read_end, N)
-    return e, row0, read_end, write_end
-
-
-@triton.jit
-def _tile(counts_ptr, N, NO, E, BM: tl.constexpr, BN: tl.constexpr, E_PAD: tl.constexpr, GROUP_M: tl.constexpr):
-    """This program's (expert, first row, read end, write end, first column): ``GROUP_M`` row tiles at a time
-    sweep the output columns, so the weight columns of an expert are read by its row tiles together."""
-    pid = tl.program_id(0)
-    n_tiles = tl.cdiv(NO, BN)
-    m_tiles = tl.cdiv(N, BM) + E
-    in_group = GROUP_M * n_tiles
-    first = (pid // in_group) * GROUP_M
-    size = tl.minimum(m_tiles - first, GROUP_M)
-    tile_m = first + (pid % in_group) % size
-    tile_n = (pid % in_group) // size
-    e, row0, read_end, write_end = _locate(counts_ptr, N, E, tile_m, BM, E_PAD)
-    return e, row0, read_end, write_end, tile_n * BN
-
-
-@triton.jit
-def _swiglu(g, u, limit, HAS_LIMIT: tl.constexpr):
-    """``silu(min(g, limit)) * clip(u, -limit, limit)`` in fp32 (no clamp without a limit)."""
-    if HAS_LIMIT:
-        g = tl.minimum(g, limit)
-        u = tl.minimum(tl.maximum(u, -limit), limit)
-    return g * tl.sigmoid(g) * u
-
-
-@triton.jit
-def _row_loop(a_ptr, b_ptr, rows, read_end, cols, K, NO, sa, sb_k, sb_n, acc, acc2, b2_off,
-              TWO: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-              PREC: tl.constexpr):
-    """``acc += A[rows, :] @ B[:, cols]`` (and ``acc2 += A[rows, :] @ B[:, cols + b2_off]`` when ``TWO``) over K."""
-    ks = tl.arange(0, BK)
-    row_ok = rows < read_end
-    col_ok = cols < NO
-    a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * sa + ks[None, :]
-    b_ptrs = b_ptr + ks[:, None] * sb_k + cols[None, :] * sb_n  # inside one expert's weight: < 2**31
-    for k0 in range(0, K, BK):
-        if EVEN_K:
-            a_mask = row_ok[:, None]
-            b_mask = col_ok[None, :]
-        else:
-            k_ok = (k0 + ks) < K
-            a_mask = row_ok[:, None] & k_ok[None, :]
-            b_mask = k_ok[:, None] & col_ok[None, :]
-        a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-        if EVEN_N and EVEN_K:
-            b = tl.load(b_ptrs)
-        else:
-            b = tl.load(b_ptrs, mask=b_mask, other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PREC)
-        if TWO:
-            if EVEN_N and EVEN_K:
-                b2 = tl.load(b_ptrs + b2_off)
-            else:
-                b2 = tl.load(b_ptrs + b2_off, mask=b_mask, other=0.0)
-            acc2 = tl.dot(a, b2, acc2, input_precision=PREC)
-        a_ptrs += BK
-        b_ptrs += BK * sb_k
-    return acc, acc2
-
-
-@triton.jit
-def _grouped_gate_up(x_ptr, w_ptr, counts_ptr, gu_ptr, h_ptr, N, K, INTER, E, limit, sx, sw_e, sw_k, sw_n, s_gu, s_h,
-                     HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+def _grouped_gate_up(x_ptr, x_desc, w_ptr, w_desc, counts_ptr, gu_ptr, h_ptr, N, K, INTER, E, limit, sx, sw_e, sw_k,
+                     sw_n, s_gu, s_h, HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      E_PAD: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                     PREC: tl.constexpr):
+                     PREC: tl.constexpr, TMA: tl.constexpr, FLATTEN: tl.constexpr):
     """gate_up[r] = x[r] @ W1[e] (gate columns n and up columns I + n together); h = clamped SwiGLU of it."""
-    e, row0, read_end, write_end, n0 = _tile(counts_ptr, N, INTER, E, BM, BN, E_PAD, GROUP_M)
-    if row0 >= write_end:
-        return
-    rows = row0 + tl.arange(0, BM)
-    cols = n0 + tl.arange(0, BN)
-    w = w_ptr + tl.minimum(e, E - 1).to(tl.int64) * sw_e
-    zero = tl.zeros([BM, BN], dtype=tl.float32)
-    acc_g, acc_u = _row_loop(x_ptr, w, rows, read_end, cols, K, INTER, sx, sw_k, sw_n, zero, zero, INTER * sw_n,
-                             True, BK, EVEN_K, EVEN_N, PREC)
+    ex, start, seg_rows, t0, t1, total, expert_tiles, m_tiles = _segments(counts_ptr, N, E, BM, E_PAD)
+    n_tiles = tl.cdiv(INTER, BN)
     dtype = gu_ptr.dtype.element_ty
-    g, u = acc_g.to(dtype), acc_u.to(dtype)
-    r64 = rows.to(tl.int64)[:, None]
-    mask = (rows < write_end)[:, None] & (cols < INTER)[None, :]
-    tl.store(gu_ptr + r64 * s_gu + cols[None, :], g, mask=mask)
-    tl.store(gu_ptr + r64 * s_gu + INTER + cols[None, :], u, mask=mask)
-    h = _swiglu(g.to(tl.float32), u.to(tl.float32), limit, HAS_LIMIT)
-    tl.store(h_ptr + r64 * s_h + cols[None, :], h.to(dtype), mask=mask)
+    for tile_id in tl.range(tl.program_id(0), m_tiles * n_tiles, tl.num_programs(0), flatten=FLATTEN):
+        tile_m, tile_n = _tile_coords(tile_id, m_tiles, n_tiles, GROUP_M)
+        e, row0, read_end, write_end = _locate(tile_m, ex, start, seg_rows, t0, t1, total, expert_tiles, N, E, BM)
+        we = tl.minimum(e, E - 1)
+        rows = row0 + tl.arange(0, BM)
+        cols = tile_n * BN + tl.arange(0, BN)
+        zero = tl.zeros([BM, BN], dtype=tl.float32)
+        if TMA:
+            acc_g, acc_u = _row_loop_tma(x_desc, w_desc, row0, we, tile_n * BN, K, zero, zero, INTER, True, False,
+                                         BN, BK, PREC)
+        else:
+            acc_g, acc_u = _row_loop(x_ptr, w_ptr + we.to(tl.int64) * sw_e, rows, read_end, cols, K, INTER, sx, sw_k,
+                                     sw_n, zero, zero, INTER * sw_n, True, BK, EVEN_K, EVEN_N, PREC)
+        live = (rows < read_end)[:, None]  # rows of the next expert (TMA) or of no expert: 0
+        g = tl.where(live, acc_g, 0.0).to(dtype)
+        u = tl.where(live, acc_u, 0.0).to(dtype)
+        r64 = rows.to(tl.int64)[:, None]
+        mask = (rows < write_end)[:, None] & (cols < INTER)[None, :]
+        tl.store(gu_ptr + r64 * s_gu + cols[None, :], g, mask=mask)
+        tl.store(gu_ptr + r64 * s_gu + INTER + cols[None, :], u, mask=mask)
+        h = _swiglu(g.to(tl.float32), u.to(tl.float32), limit, HAS_LIMIT)
+        tl.store(h_ptr + r64 * s_h + cols[None, :], h.to(dtype), mask=mask)
 
 
 @triton.jit
-def _grouped_rows_mm(a_ptr, b_ptr, counts_ptr, out_ptr, N, K, NO, E, sa, sb_e, sb_k, sb_n, s_out,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, E_PAD: tl.constexpr, GROUP_M: tl.constexpr,
-                EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PREC: tl.constexpr):
-    """out[r] = a[r] @ B[e] for the rows r of expert e (B[e] addressed by strides: a weight or its transpose)."""
-    e, row0, read_end, write_end, n0 = _tile(counts_ptr, N, NO, E, BM, BN, E_PAD, GROUP_M)
-    if row0 >= write_end:
-        return
-    rows = row0 + tl.arange(0, BM)
-    cols = n0 + tl.arange(0, BN)
-    b = b_ptr + tl.minimum(e, E - 1).to(tl.int64) * sb_e
-    zero = tl.zeros([BM, BN], dtype=tl.float32)
-    acc, _ = _row_loop(a_ptr, b, rows, read_end, cols, K, NO, sa, sb_k, sb_n, zero, zero, 0, False, BK, EVEN_K,
-                       EVEN_N, PREC)
-    mask = (rows < write_end)[:, None] & (cols < NO)[None, :]
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * s_out + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+def _grouped_rows_mm(a_ptr, a_desc, b_ptr, b_desc, counts_ptr, out_ptr, N, K, NO, E, sa, sb_e, sb_k, sb_n, s_out,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, E_PAD: tl.constexpr,
+                     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PREC: tl.constexpr,
+                     TMA: tl.constexpr, B_NK: tl.constexpr, FLATTEN: tl.constexpr):
+    """out[r] = a[r] @ B[e] for the rows r of expert e (pointers: B[e] by strides; TMA: ``B_NK`` says the
+    descriptor holds B[e] transposed, [E, NO, K])."""
+    ex, start, seg_rows, t0, t1, total, expert_tiles, m_tiles = _segments(counts_ptr, N, E, BM, E_PAD)
+    n_tiles = tl.cdiv(NO, BN)
+    for tile_id in tl.range(tl.program_id(0), m_tiles * n_tiles, tl.num_programs(0), flatten=FLATTEN):
+        tile_m, tile_n = _tile_coords(tile_id, m_tiles, n_tiles, GROUP_M)
+        e, row0, read_end, write_end = _locate(tile_m, ex, start, seg_rows, t0, t1, total, expert_tiles, N, E, BM)
+        we = tl.minimum(e, E - 1)
+        rows = row0 + tl.arange(0, BM)
+        cols = tile_n * BN + tl.arange(0, BN)
+        zero = tl.zeros([BM, BN], dtype=tl.float32)
+        if TMA:
+            acc, _ = _row_loop_tma(a_desc, b_desc, row0, we, tile_n * BN, K, zero, zero, 0, False, B_NK, BN, BK, PREC)
+        else:
+            acc, _ = _row_loop(a_ptr, b_ptr + we.to(tl.int64) * sb_e, rows, read_end, cols, K, NO, sa, sb_k, sb_n, zero,
+                               zero, 0, False, BK, EVEN_K, EVEN_N, PREC)
+        acc = tl.where((rows < read_end)[:, None], acc, 0.0)
+        mask = (rows < write_end)[:, None] & (cols < NO)[None, :]
+        tl.store(out_ptr + rows.to(tl.int64)[:, None] * s_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=mask)
 
 
 def is_interpreted() -> bool:
     return type(_grouped_rows_mm).__name__ == "InterpretedFunction"
 
 
-# Launch settings (no autotuning): per GEMM, (BM, BN, BK, GROUP_M, num_warps, num_stages) for small expert groups
-# ("small": mean rows per expert < SMALL_GROUP_ROWS, e.g. 256 experts x 192 rows) and large ones ("large": 32
-# experts x 1536 rows). GPU values: scripts/bench/bench_moe.py's sweep on the H200 (benchmarks/RESULTS.md, issue 14).
+class Launch(NamedTuple):
+    """One GEMM's launch setting: tile (``bm`` rows x ``bn`` columns, ``bk`` deep per step), ``group_m`` row tiles
+    per column sweep, warps, pipeline stages; ``tma``: TMA descriptor loads where the tensors allow them (else
+    pointer loads); ``persistent``: 0 one program per tile, 1 one program per multiprocessor looping over the
+    tiles, 2 the same with the tile loop flattened into the K loop (the next tile's loads overlap this epilogue)."""
+
+    bm: int
+    bn: int
+    bk: int
+    group_m: int
+    warps: int
+    stages: int
+    tma: bool = False
+    persistent: int = 0
+
+
+# Launch settings (no autotuning): per GEMM, for small expert groups ("small": mean rows per expert <
+# SMALL_GROUP_ROWS, e.g. 256 experts x 192 rows) and large ones ("large": 32 experts x 1536 rows). GPU values:
+# scripts/bench/bench_moe.py's sweep on the H200 (benchmarks/RESULTS.md, issue 14).
 SMALL_GROUP_ROWS = 512
-TUNE: dict[str, dict[str, tuple[int, int, int, int, int, int]]] = {
-    "gate_up": {"small": (128, 128, 64, 8, 8, 4), "large": (128, 128, 64, 8, 8, 4)},
-    "down": {"small": (128, 256, 64, 8, 8, 3), "large": (128, 256, 64, 8, 8, 3)},
-    "d_gate_up": {"small": (64, 128, 64, 8, 4, 4), "large": (64, 128, 64, 8, 4, 4)},
-    "d_rows": {"small": (128, 256, 64, 8, 8, 3), "large": (128, 256, 64, 8, 8, 3)},
-    "d_weight": {"small": (128, 128, 32, 1, 4, 4), "large": (128, 256, 64, 1, 8, 3)},
+TUNE: dict[str, dict[str, Launch]] = {
+    "gate_up": {"small": Launch(128, 128, 64, 8, 8, 4, True, 0), "large": Launch(128, 128, 64, 8, 8, 4, True, 0)},
+    "down": {"small": Launch(128, 256, 64, 8, 8, 3, True, 2), "large": Launch(128, 256, 64, 8, 8, 3, True, 2)},
+    "d_gate_up": {"small": Launch(64, 128, 64, 8, 4, 4, True, 0), "large": Launch(64, 128, 64, 8, 4, 4, True, 0)},
+    "d_rows": {"small": Launch(128, 256, 64, 8, 8, 3, True, 2), "large": Launch(128, 256, 64, 8, 8, 3, True, 2)},
+    "d_weight": {"small": Launch(128, 256, 64, 1, 8, 3, True, 2), "large": Launch(128, 256, 64, 1, 8, 3, True, 2)},
 }
 INTERPRETER_TILE = (16, 16, 16, 1, 4, 1)  # numpy per op: small tiles, few masked lanes
 
 
-def launch_config(role: str, rows: int, experts: int, dtype: str = "bfloat16") -> tuple[int, int, int, int, int, int]:
-    """(BM, BN, BK, GROUP_M, warps, stages) of GEMM ``role`` for ``rows`` rows over ``experts`` experts; fp32
-    operands take half the K depth per step (the same shared memory per pipeline stage as 16-bit ones)."""
+@contextlib.contextmanager
+def launch_overrides(**fields: Any) -> Iterator[None]:
+    """Inside the block every GEMM's launch setting (both regimes) has ``fields`` replaced (e.g. ``tma=False``,
+    ``persistent=2``): the tests and the bench compare load paths and grid kinds on the same tiles."""
+    saved = copy.deepcopy(TUNE)
+    try:
+        for role, regimes in TUNE.items():
+            for regime, cfg in regimes.items():
+                TUNE[role][regime] = cfg._replace(**fields)
+        yield
+    finally:
+        TUNE.clear()
+        TUNE.update(saved)
+
+
+def launch_config(role: str, rows: int, experts: int, dtype: str = "bfloat16") -> Launch:
+    """The launch setting of GEMM ``role`` for ``rows`` rows over ``experts`` experts; fp32 operands take half the K
+    depth per step (the same shared memory per pipeline stage as 16-bit ones), and the weight gradients' TMA store
+    half the columns (its fp32 staging tile would not fit beside the pipeline: 245,776 bytes of shared memory
+    asked on the H200 with the bf16 tile). The interpreter takes small tiles and the load path and grid kind of
+    the GPU's small-group setting (so the CPU tests run the GPU's code path)."""
+    cfg = TUNE[role]["small" if rows < SMALL_GROUP_ROWS * max(experts, 1) else "large"]
     if is_interpreted():
-        return INTERPRETER_TILE
-    bm, bn, bk, group_m, warps, stages = TUNE[role]["small" if rows < SMALL_GROUP_ROWS * max(experts, 1) else "large"]
-    return bm, bn, (max(16, bk // 2) if dtype == "float32" else bk), group_m, warps, stages
+        return Launch(*INTERPRETER_TILE, tma=TUNE[role]["small"].tma, persistent=TUNE[role]["small"].persistent)
+    if dtype != "float32":
+        return cfg
+    return cfg._replace(bk=max(16, cfg.bk // 2), bn=cfg.bn // 2 if role == "d_weight" and cfg.tma else cfg.bn)
+
+
+def row_grid(cfg: Launch, kernel: Any, n_rows: int, experts: int, n_cols: int) -> tuple[int]:
+    """Programs of a row-GEMM launch: one per tile of the upper bound ``(cdiv(N, BM) + E) x cdiv(NO, BN)``, or a
+    persistent grid."""
+    tiles = (triton.cdiv(n_rows, cfg.bm) + experts) * triton.cdiv(n_cols, cfg.bn)
+    return (grid_size(cfg.persistent > 0, kernel, tiles),)
 
 
 def _pow2(n: int) -> int:
@@ -226,13 +224,21 @@ def check_args(rows: Any, counts: Any, weight1: Any, weight2: Any,
 
 def rows_gemm(a: Any, b: Any, counts: Any, out: Any, k: int, n_out: int, b_strides: tuple[int, int, int],
               role: str) -> None:
-    """``out[r] = a[r] @ B[e]`` for every segment (``_grouped_rows_mm``); ``B[e][k, n] = b[e*s0 + k*s1 + n*s2]``."""
+    """``out[r] = a[r] @ B[e]`` for every segment (``_grouped_rows_mm``); ``B[e][k, n] = b[e*s0 + k*s1 + n*s2]``
+    (``s2 == 1``: a weight as stored; ``s1 == 1``: a transposed one)."""
     n_rows, experts = shape_of(a)[0], shape_of(counts)[0]
-    bm, bn, bk, group_m, warps, stages = launch_config(role, n_rows, experts, dtype_name(a))
-    grid = ((triton.cdiv(n_rows, bm) + experts) * triton.cdiv(n_out, bn),)
-    launch(_grouped_rows_mm, grid, a, b, counts, out, n_rows, k, n_out, experts, strides_of(a)[0], *b_strides,
-           strides_of(out)[0], BM=bm, BN=bn, BK=bk, E_PAD=experts_pad(experts), GROUP_M=group_m, EVEN_K=k % bk == 0,
-           EVEN_N=n_out % bn == 0, PREC=dot_precision(a), num_warps=warps, num_stages=stages)
+    cfg = launch_config(role, n_rows, experts, dtype_name(a))
+    b_nk = b_strides[2] != 1
+    a_desc = b_desc = None
+    if cfg.tma and n_rows > 0 and tma_route(_grouped_rows_mm, a, b):
+        a_desc = descriptor(a, [cfg.bm, cfg.bk])
+        b_desc = descriptor(b, [1, cfg.bn, cfg.bk] if b_nk else [1, cfg.bk, cfg.bn])
+    count_path(_grouped_rows_mm, a_desc is not None, cfg.persistent)
+    launch(_grouped_rows_mm, row_grid(cfg, _grouped_rows_mm, n_rows, experts, n_out), a, a_desc, b, b_desc, counts,
+           out, n_rows, k, n_out, experts, strides_of(a)[0], *b_strides, strides_of(out)[0], BM=cfg.bm, BN=cfg.bn,
+           BK=cfg.bk, E_PAD=experts_pad(experts), GROUP_M=cfg.group_m, EVEN_K=k % cfg.bk == 0,
+           EVEN_N=n_out % cfg.bn == 0, PREC=dot_precision(a), TMA=a_desc is not None, B_NK=b_nk,
+           FLATTEN=cfg.persistent == 2, num_warps=cfg.warps, num_stages=cfg.stages)
 
 
 def gate_up(rows: Any, counts: Any, weight1: Any, limit: float) -> tuple[Any, Any]:
@@ -241,13 +247,18 @@ def gate_up(rows: Any, counts: Any, weight1: Any, limit: float) -> tuple[Any, An
     experts, inter = shape_of(weight1)[0], shape_of(weight1)[2] // 2
     gate_up_out = empty_like(rows, shape=[n_rows, 2 * inter])
     h = empty_like(rows, shape=[n_rows, inter])
-    bm, bn, bk, group_m, warps, stages = launch_config("gate_up", n_rows, experts, dtype_name(rows))
-    grid = ((triton.cdiv(n_rows, bm) + experts) * triton.cdiv(inter, bn),)
+    cfg = launch_config("gate_up", n_rows, experts, dtype_name(rows))
     s1 = strides_of(weight1)
-    launch(_grouped_gate_up, grid, rows, weight1, counts, gate_up_out, h, n_rows, dim, inter, experts, float(limit),
-           dim, s1[0], s1[1], s1[2], 2 * inter, inter, HAS_LIMIT=float(limit) > 0, BM=bm, BN=bn, BK=bk,
-           E_PAD=experts_pad(experts), GROUP_M=group_m, EVEN_K=dim % bk == 0, EVEN_N=inter % bn == 0,
-           PREC=dot_precision(rows), num_warps=warps, num_stages=stages)
+    x_desc = w_desc = None  # the up columns start at I: TMA wants I * element size a multiple of 16 bytes too
+    if cfg.tma and n_rows > 0 and inter * rows.element_size() % 16 == 0 and tma_route(_grouped_gate_up, rows,
+                                                                                       weight1):
+        x_desc, w_desc = descriptor(rows, [cfg.bm, cfg.bk]), descriptor(weight1, [1, cfg.bk, cfg.bn])
+    count_path(_grouped_gate_up, x_desc is not None, cfg.persistent)
+    launch(_grouped_gate_up, row_grid(cfg, _grouped_gate_up, n_rows, experts, inter), rows, x_desc, weight1, w_desc,
+           counts, gate_up_out, h, n_rows, dim, inter, experts, float(limit), dim, s1[0], s1[1], s1[2], 2 * inter,
+           inter, HAS_LIMIT=float(limit) > 0, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, E_PAD=experts_pad(experts),
+           GROUP_M=cfg.group_m, EVEN_K=dim % cfg.bk == 0, EVEN_N=inter % cfg.bn == 0, PREC=dot_precision(rows),
+           TMA=x_desc is not None, FLATTEN=cfg.persistent == 2, num_warps=cfg.warps, num_stages=cfg.stages)
     return gate_up_out, h
 
 

@@ -2,16 +2,21 @@
 
 Given ``d_out`` [N, D] and the forward's saved ``gate_up`` [N, 2I] (the pre-activation; ``h`` is not kept):
 
-1. ``_grouped_d_gate_up``: ``d_h = d_out_e @ W2[e]^T`` per row tile, and in the epilogue the clamped SwiGLU's
-   backward from the saved ``gate_up``: ``d_gate = d_h * up_c * silu'(gate_c) * [gate <= limit]``,
-   ``d_up = d_h * silu(gate_c) * [|up| <= limit]`` (``gate_c``, ``up_c`` clamped; the bounds pass the gradient,
-   as Paddle's and torch's clip do). The same epilogue writes ``h`` again (recomputed from ``gate_up`` with the
-   forward's code, so it equals the forward's ``h``) for step 4: the activation is always recomputed, never kept.
+1. ``_grouped_d_gate_up``: ``d_h = d_out_e @ W2[e]^T`` per row tile, and in the epilogue (two column halves, to
+   keep the registers in bounds) the clamped SwiGLU's backward from the saved ``gate_up``:
+   ``d_gate = d_h * up_c * silu'(gate_c) * [gate <= limit]``, ``d_up = d_h * silu(gate_c) * [|up| <= limit]``
+   (``gate_c``, ``up_c`` clamped; the bounds pass the gradient, as Paddle's and torch's clip do). The same
+   epilogue writes ``h`` again (recomputed from ``gate_up`` with the forward's code, so it equals the forward's
+   ``h``) for step 4: the activation is always recomputed, never kept.
 2. ``_grouped_rows_mm``: ``d_rows = d_gate_up_e @ W1[e]^T``.
 3. ``_grouped_d_weight``: ``d_W1[e] = rows_e^T @ d_gate_up_e``, 4. the same kernel: ``d_W2[e] = h_e^T @ d_out_e``.
-   One program owns one output tile of one expert and adds the expert's rows in ascending order, ``BK`` rows a
-   step, into one fp32 accumulator: a fixed order, so the weight gradients are byte-identical run to run
-   (deterministic; an expert with no rows gets zeros).
+   Each output tile of each expert is one loop step of one program (one program per tile, or a persistent
+   grid), which adds the expert's rows in ascending order, ``BK`` rows a step, into one fp32 accumulator: a
+   fixed order, so the weight gradients are byte-identical run to run (deterministic; an expert with no rows
+   gets zeros). The rows are the K dimension here, so the TMA path reads them through ragged descriptors
+   (rows outside the expert's segment read as zero) and writes the tile with a TMA store.
+
+Load paths and grid kinds as in ``kernel.py`` (``Launch``); the pointer and TMA paths give the same bytes.
 """
 
 from __future__ import annotations
@@ -23,75 +28,138 @@ import triton.language as tl
 
 from fleet_ext.ops.launch import detached, dtype_name, empty_like, launch, shape_of, strides_of
 from fleet_ext.ops.moe_experts.kernel import (
-    _row_loop,
-    _swiglu,
-    _tile,
     check_args,
     dot_precision,
     experts_pad,
     launch_config,
+    row_grid,
     rows_gemm,
+)
+from fleet_ext.ops.moe_experts.kernel_tiles import (
+    _load_ragged,
+    _locate,
+    _row_loop,
+    _row_loop_tma,
+    _segments,
+    _swiglu,
+    _tile_coords,
+    count_path,
+    descriptor,
+    grid_size,
+    ragged_descriptor,
+    tma_route,
 )
 
 
 @triton.jit
-def _grouped_d_gate_up(dy_ptr, w_ptr, counts_ptr, gu_ptr, dgu_ptr, h_ptr, N, K, INTER, E, limit, s_dy, sw_e, sw_k, sw_n,
-                       s_gu, s_h, HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       E_PAD: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                       PREC: tl.constexpr):
-    """d_gate_up of the rows of expert e from d_h = d_out @ W2[e]^T (columns n of I), and h recomputed."""
-    e, row0, read_end, write_end, n0 = _tile(counts_ptr, N, INTER, E, BM, BN, E_PAD, GROUP_M)
-    if row0 >= write_end:
-        return
-    rows = row0 + tl.arange(0, BM)
-    cols = n0 + tl.arange(0, BN)
-    w = w_ptr + tl.minimum(e, E - 1).to(tl.int64) * sw_e
-    zero = tl.zeros([BM, BN], dtype=tl.float32)
-    d_h, _ = _row_loop(dy_ptr, w, rows, read_end, cols, K, INTER, s_dy, sw_k, sw_n, zero, zero, 0, False, BK, EVEN_K,
-                       EVEN_N, PREC)
-    r64 = rows.to(tl.int64)[:, None]
-    mask = (rows < write_end)[:, None] & (cols < INTER)[None, :]
-    g = tl.load(gu_ptr + r64 * s_gu + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(gu_ptr + r64 * s_gu + INTER + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+def _add2(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
+def _swiglu_backward(d_h, g, u, limit, HAS_LIMIT: tl.constexpr):
+    """(d_gate, d_up, h) of the clamped SwiGLU at the pre-activation (g, u), fp32."""
     h = _swiglu(g, u, limit, HAS_LIMIT)
     gc, uc = g, u
     if HAS_LIMIT:
         gc = tl.minimum(g, limit)
         uc = tl.minimum(tl.maximum(u, -limit), limit)
     sig = tl.sigmoid(gc)
-    silu = gc * sig
     d_gate = d_h * uc * (sig * (1.0 + gc * (1.0 - sig)))
-    d_up = d_h * silu
+    d_up = d_h * (gc * sig)
     if HAS_LIMIT:
         d_gate = tl.where(g <= limit, d_gate, 0.0)
         d_up = tl.where((u >= -limit) & (u <= limit), d_up, 0.0)
-    dtype = dgu_ptr.dtype.element_ty
-    tl.store(dgu_ptr + r64 * s_gu + cols[None, :], d_gate.to(dtype), mask=mask)
-    tl.store(dgu_ptr + r64 * s_gu + INTER + cols[None, :], d_up.to(dtype), mask=mask)
-    tl.store(h_ptr + r64 * s_h + cols[None, :], h.to(dtype), mask=mask)
+    return d_gate, d_up, h
 
 
 @triton.jit
-def _grouped_d_weight(a_ptr, b_ptr, counts_ptr, out_ptr, N, M, NN, E, sa, sb, s_oe, s_om,
+def _grouped_d_gate_up(dy_ptr, dy_desc, w_ptr, w_desc, counts_ptr, gu_ptr, dgu_ptr, h_ptr, N, K, INTER, E, limit,
+                       s_dy, sw_e, sw_k, sw_n, s_gu, s_h, HAS_LIMIT: tl.constexpr, BM: tl.constexpr,
+                       BN: tl.constexpr, BK: tl.constexpr, E_PAD: tl.constexpr, GROUP_M: tl.constexpr,
+                       EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
+                       FLATTEN: tl.constexpr):
+    """d_gate_up of the rows of expert e from d_h = d_out @ W2[e]^T (columns n of I), and h recomputed."""
+    ex, start, seg_rows, t0, t1, total, expert_tiles, m_tiles = _segments(counts_ptr, N, E, BM, E_PAD)
+    n_tiles = tl.cdiv(INTER, BN)
+    for tile_id in tl.range(tl.program_id(0), m_tiles * n_tiles, tl.num_programs(0), flatten=FLATTEN):
+        tile_m, tile_n = _tile_coords(tile_id, m_tiles, n_tiles, GROUP_M)
+        e, row0, read_end, write_end = _locate(tile_m, ex, start, seg_rows, t0, t1, total, expert_tiles, N, E, BM)
+        we = tl.minimum(e, E - 1)
+        rows = row0 + tl.arange(0, BM)
+        cols = tile_n * BN + tl.arange(0, BN)
+        zero = tl.zeros([BM, BN], dtype=tl.float32)
+        if TMA:  # W2[e]^T through W2's [E, I, D] descriptor, transposed
+            d_h, _ = _row_loop_tma(dy_desc, w_desc, row0, we, tile_n * BN, K, zero, zero, 0, False, True, BN, BK, PREC)
+        else:
+            d_h, _ = _row_loop(dy_ptr, w_ptr + we.to(tl.int64) * sw_e, rows, read_end, cols, K, INTER, s_dy, sw_k,
+                               sw_n, zero, zero, 0, False, BK, EVEN_K, EVEN_N, PREC)
+        d_h = tl.permute(tl.reshape(tl.where((rows < read_end)[:, None], d_h, 0.0), [BM, 2, BN // 2]), [0, 2, 1])
+        d_h0, d_h1 = tl.split(d_h)  # the epilogue in two column halves: half the live registers
+        _d_gate_up_store(d_h0, rows, tile_n * BN + tl.arange(0, BN // 2), read_end, write_end, gu_ptr, dgu_ptr,
+                         h_ptr, INTER, s_gu, s_h, limit, HAS_LIMIT)
+        _d_gate_up_store(d_h1, rows, tile_n * BN + BN // 2 + tl.arange(0, BN // 2), read_end, write_end, gu_ptr,
+                         dgu_ptr, h_ptr, INTER, s_gu, s_h, limit, HAS_LIMIT)
+
+
+@triton.jit
+def _d_gate_up_store(d_h, rows, cols, read_end, write_end, gu_ptr, dgu_ptr, h_ptr, INTER, s_gu, s_h, limit,
+                     HAS_LIMIT: tl.constexpr):
+    """d_gate_up and h of the columns ``cols`` of a row tile from its ``d_h`` and the saved ``gate_up`` (int32
+    offsets from the tile's first row: one [BM, BN] offset tensor serves the four gate_up-shaped accesses)."""
+    row0 = tl.min(rows, axis=0)
+    live = (rows < read_end)[:, None] & (cols < INTER)[None, :]
+    mask = (rows < write_end)[:, None] & (cols < INTER)[None, :]
+    off = (rows - row0)[:, None] * s_gu + cols[None, :]
+    gu = gu_ptr + row0.to(tl.int64) * s_gu
+    dgu = dgu_ptr + row0.to(tl.int64) * s_gu
+    g = tl.load(gu + off, mask=live, other=0.0).to(tl.float32)
+    u = tl.load(gu + INTER + off, mask=live, other=0.0).to(tl.float32)
+    d_gate, d_up, h = _swiglu_backward(d_h, g, u, limit, HAS_LIMIT)
+    dtype = dgu_ptr.dtype.element_ty
+    tl.store(dgu + off, d_gate.to(dtype), mask=mask)
+    tl.store(dgu + INTER + off, d_up.to(dtype), mask=mask)
+    tl.store(h_ptr + row0.to(tl.int64) * s_h + (rows - row0)[:, None] * s_h + cols[None, :], h.to(dtype), mask=mask)
+
+
+@triton.jit
+def _grouped_d_weight(a_ptr, a_desc, b_ptr, b_desc, counts_ptr, out_ptr, out_desc, N, M, NN, E, sa, sb, s_oe, s_om,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, E_PAD: tl.constexpr,
-                      EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, PREC: tl.constexpr):
-    """out[e] = a_e^T @ b_e over the rows of expert e, in ascending row order (one program per output tile)."""
-    pid = tl.program_id(0)
+                      EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
+                      FLATTEN: tl.constexpr):
+    """out[e] = a_e^T @ b_e over the rows of expert e, in ascending row order, BK rows a step (one output tile per
+    loop step; an expert without rows gets zeros). TMA: rows outside the segment read as zero (ragged loads)."""
+    ex, start_e, rows_e, _, _, _, _, _ = _segments(counts_ptr, N, E, BM, E_PAD)
     tiles_n = tl.cdiv(NN, BN)
     per_expert = tl.cdiv(M, BM) * tiles_n
-    e = pid // per_expert
-    tile_m = (pid % per_expert) // tiles_n
-    tile_n = pid % tiles_n
-    ex = tl.arange(0, E_PAD)
-    c = tl.load(counts_ptr + ex, mask=ex < E, other=0).to(tl.int32)
-    start = tl.minimum(tl.sum(tl.where(ex < e, c, 0), axis=0), N)
-    end = tl.minimum(start + tl.sum(tl.where(ex == e, c, 0), axis=0), N)
-    ms = tile_m * BM + tl.arange(0, BM)
-    ns = tile_n * BN + tl.arange(0, BN)
+    for tile_id in tl.range(tl.program_id(0), E * per_expert, tl.num_programs(0), flatten=FLATTEN):
+        e = tile_id // per_expert
+        m0 = ((tile_id % per_expert) // tiles_n) * BM
+        n0 = (tile_id % tiles_n) * BN
+        start, count = tl.reduce((tl.where(ex == e, start_e, 0), tl.where(ex == e, rows_e, 0)), 0, _add2)
+        ms = m0 + tl.arange(0, BM)
+        ns = n0 + tl.arange(0, BN)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        if TMA:
+            for r in range(0, count, BK):
+                a = _load_ragged(a_desc, start, count, r, m0, BK, BM)
+                b = _load_ragged(b_desc, start, count, r, n0, BK, BN)
+                acc = tl.dot(tl.trans(a), b, acc, input_precision=PREC)
+            out_desc.store([e, m0, n0], tl.reshape(acc.to(out_desc.dtype), [1, BM, BN]))
+        else:
+            acc = _d_weight_loop(a_ptr, b_ptr, start, start + count, ms, ns, M, NN, sa, sb, acc, BK, EVEN_M, EVEN_N,
+                                 PREC)
+            out = out_ptr + e.to(tl.int64) * s_oe + ms[:, None] * s_om + ns[None, :]
+            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(ms < M)[:, None] & (ns < NN)[None, :])
+
+
+@triton.jit
+def _d_weight_loop(a_ptr, b_ptr, start, end, ms, ns, M, NN, sa, sb, acc, BK: tl.constexpr, EVEN_M: tl.constexpr,
+                   EVEN_N: tl.constexpr, PREC: tl.constexpr):
+    """Pointer path of ``_grouped_d_weight``: ``acc += a[start:end, ms]^T @ b[start:end, ns]``, BK rows a step."""
     rk = tl.arange(0, BK)
     m_ok = ms < M
     n_ok = ns < NN
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
     for r0 in range(start, end, BK):
         r = r0 + rk
         r_ok = r < end
@@ -105,8 +173,7 @@ def _grouped_d_weight(a_ptr, b_ptr, counts_ptr, out_ptr, N, M, NN, E, sa, sb, s_
         else:
             b = tl.load(b_ptr + r64[:, None] * sb + ns[None, :], mask=r_ok[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PREC)
-    out = out_ptr + e.to(tl.int64) * s_oe + ms[:, None] * s_om + ns[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    return acc
 
 
 def gate_up_backward(d_out: Any, counts: Any, weight2: Any, gate_up: Any, limit: float) -> tuple[Any, Any]:
@@ -115,13 +182,18 @@ def gate_up_backward(d_out: Any, counts: Any, weight2: Any, gate_up: Any, limit:
     experts, inter = shape_of(weight2)[0], shape_of(weight2)[1]
     d_gate_up = empty_like(gate_up)
     h = empty_like(gate_up, shape=[n_rows, inter])
-    bm, bn, bk, group_m, warps, stages = launch_config("d_gate_up", n_rows, experts, dtype_name(d_out))
-    grid = ((triton.cdiv(n_rows, bm) + experts) * triton.cdiv(inter, bn),)
+    cfg = launch_config("d_gate_up", n_rows, experts, dtype_name(d_out))
     s2 = strides_of(weight2)  # W2[e]^T [D, I]: k = d (stride 1), n = i (stride D)
-    launch(_grouped_d_gate_up, grid, d_out, weight2, counts, gate_up, d_gate_up, h, n_rows, dim, inter, experts,
-           float(limit), dim, s2[0], 1, s2[1], 2 * inter, inter, HAS_LIMIT=float(limit) > 0, BM=bm, BN=bn, BK=bk,
-           E_PAD=experts_pad(experts), GROUP_M=group_m, EVEN_K=dim % bk == 0, EVEN_N=inter % bn == 0,
-           PREC=dot_precision(d_out), num_warps=warps, num_stages=stages)
+    dy_desc = w_desc = None
+    if cfg.tma and n_rows > 0 and tma_route(_grouped_d_gate_up, d_out, weight2):
+        dy_desc, w_desc = descriptor(d_out, [cfg.bm, cfg.bk]), descriptor(weight2, [1, cfg.bn, cfg.bk])
+    count_path(_grouped_d_gate_up, dy_desc is not None, cfg.persistent)
+    launch(_grouped_d_gate_up, row_grid(cfg, _grouped_d_gate_up, n_rows, experts, inter), d_out, dy_desc, weight2,
+           w_desc, counts, gate_up, d_gate_up, h, n_rows, dim, inter, experts, float(limit), dim, s2[0], 1, s2[1],
+           2 * inter, inter, HAS_LIMIT=float(limit) > 0, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk,
+           E_PAD=experts_pad(experts), GROUP_M=cfg.group_m, EVEN_K=dim % cfg.bk == 0, EVEN_N=inter % cfg.bn == 0,
+           PREC=dot_precision(d_out), TMA=dy_desc is not None, FLATTEN=cfg.persistent == 2, num_warps=cfg.warps,
+           num_stages=cfg.stages)
     return d_gate_up, h
 
 
@@ -129,11 +201,18 @@ def weight_grad(a: Any, b: Any, counts: Any, out: Any) -> None:
     """``out[e] = a_e^T @ b_e`` (``_grouped_d_weight``): a [N, M], b [N, NN], out [E, M, NN] contiguous."""
     n_rows, m = shape_of(a)
     nn, experts = shape_of(b)[1], shape_of(counts)[0]
-    bm, bn, bk, _, warps, stages = launch_config("d_weight", n_rows, experts, dtype_name(a))
-    grid = (experts * triton.cdiv(m, bm) * triton.cdiv(nn, bn),)
-    launch(_grouped_d_weight, grid, a, b, counts, out, n_rows, m, nn, experts, strides_of(a)[0], strides_of(b)[0],
-           m * nn, nn, BM=bm, BN=bn, BK=bk, E_PAD=experts_pad(experts), EVEN_M=m % bm == 0, EVEN_N=nn % bn == 0,
-           PREC=dot_precision(a), num_warps=warps, num_stages=stages)
+    cfg = launch_config("d_weight", n_rows, experts, dtype_name(a))
+    a_desc = b_desc = o_desc = None
+    if cfg.tma and n_rows > 0 and tma_route(_grouped_d_weight, a, b, out):
+        a_desc, b_desc = ragged_descriptor(a, cfg.bk, cfg.bm), ragged_descriptor(b, cfg.bk, cfg.bn)
+        o_desc = descriptor(out, [1, cfg.bm, cfg.bn])
+    count_path(_grouped_d_weight, a_desc is not None, cfg.persistent)
+    tiles = experts * triton.cdiv(m, cfg.bm) * triton.cdiv(nn, cfg.bn)
+    launch(_grouped_d_weight, (grid_size(cfg.persistent > 0, _grouped_d_weight, tiles),), a, a_desc, b, b_desc,
+           counts, out, o_desc, n_rows, m, nn, experts, strides_of(a)[0], strides_of(b)[0], m * nn, nn, BM=cfg.bm,
+           BN=cfg.bn, BK=cfg.bk, E_PAD=experts_pad(experts), EVEN_M=m % cfg.bm == 0, EVEN_N=nn % cfg.bn == 0,
+           PREC=dot_precision(a), TMA=a_desc is not None, FLATTEN=cfg.persistent == 2, num_warps=cfg.warps,
+           num_stages=cfg.stages)
 
 
 def experts_backward(d_out: Any, rows: Any, counts: Any, weight1: Any, weight2: Any, gate_up: Any, limit: float,
