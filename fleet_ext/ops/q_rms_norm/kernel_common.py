@@ -10,6 +10,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# Set when these kernels were decorated for Triton's interpreter (``fleet_ext.capability.prepare_triton`` runs
+# first). There ``tl.cumsum`` is NumPy's ``cumsum``: a strictly sequential fp32 accumulation, so a one-lane order
+# (Paddle CPU's) is one vectorised scan instead of D one-column steps. Compiled, a scan is a parallel tree: the
+# branch that uses it is never compiled.
+_INTERPRETED = tl.constexpr(bool(triton.knobs.runtime.interpret))
+
 
 @triton.jit
 def _halve(v, BLOCK_R: tl.constexpr, W: tl.constexpr):
@@ -83,6 +89,27 @@ def _combine(acc, BLOCK_R: tl.constexpr, LANES: tl.constexpr, NACC: tl.constexpr
 
 
 @triton.jit
+def _sequential_sum(terms, col, D: tl.constexpr):
+    """Interpreter only: ``((0 + t0) + t1) + ... + t(D-1)`` per row of ``terms`` [R, W], bit for bit: the scan's last
+    column (its -0.0 for all-zero terms becomes +0.0 in the masked sum, as the loop from 0.0 gives)."""
+    running = tl.cumsum(terms, axis=1)
+    return tl.sum(tl.where((col == D - 1)[None, :], running, 0.0), axis=1)
+
+
+@triton.jit
+def _sequential_row_sum(a_ptr, a_row, a_sd, b_ptr, b_row, b_sd, row_mask, SQUARE: tl.constexpr, D: tl.constexpr):
+    """:func:`_row_sum` in the one-lane order, interpreted: the whole row loaded once, then one scan."""
+    col = tl.arange(0, triton.next_power_of_2(D))
+    mask = row_mask[:, None] & (col < D)[None, :]
+    a = tl.load(a_ptr + a_row[:, None] + col[None, :] * a_sd, mask=mask, other=0.0).to(tl.float32)
+    if SQUARE:
+        terms = a * a
+    else:
+        terms = tl.load(b_ptr + b_row[:, None] + col[None, :] * b_sd, mask=mask, other=0.0).to(tl.float32) * a
+    return _sequential_sum(terms, col, D)
+
+
+@triton.jit
 def _row_sum(
     a_ptr, a_row, a_sd, b_ptr, b_row, b_sd, row_mask,
     SQUARE: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -94,6 +121,8 @@ def _row_sum(
     """
     C: tl.constexpr = LANES * NACC
     NCHUNK: tl.constexpr = (D + C - 1) // C
+    if C == 1 and _INTERPRETED:
+        return _sequential_row_sum(a_ptr, a_row, a_sd, b_ptr, b_row, b_sd, row_mask, SQUARE, D)
     cols = tl.arange(0, C)
     acc = tl.zeros([BLOCK_R, C], dtype=tl.float32)
     if NCHUNK <= 16:
