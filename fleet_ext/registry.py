@@ -402,13 +402,15 @@ DERIVED_FUSIONS: dict[str, DerivedFusion] = {
             bitwise=BitwiseClaims(
                 cpu_fp32=_yes(_PROLOGUE + "test_q_forward_and_backward_are_bitwise_equal_to_the_two_ops",
                               _PROLOGUE + "test_attention_layer_is_bitwise_equal_with_the_prologue"),
+                gpu=_yes(_PROLOGUE_GPU + "test_q_bitwise_vs_eager_torch", _PROLOGUE_GPU + "test_production_shapes"),
             ),
         ),
         DerivedFusion(
             switch="kv_norm_rope",
             requires=_PROLOGUE_SWITCHES,
-            summary="kv prologue: weighted RMSNorm + RoPE of the single K=V head in one pass, forward and backward "
-            "with the gain's gradient in the same launch (fixed-order sum over the rows, no atomics)",
+            summary="kv prologue: weighted RMSNorm + RoPE of the single K=V head in one pass, forward and backward; "
+            "the gain's gradient as per-row-block partials of the backward launch plus one small fixed-order reduce "
+            "(no atomics)",
             fused="fleet_ext.ops.qkv_prologue.function:kv_norm_rope",
             reference="fleet_ext.ops.qkv_prologue.reference:kv_norm_rope",
             recompute_safe=_yes(_RECOMPUTE),
@@ -421,9 +423,6 @@ DERIVED_FUSIONS: dict[str, DerivedFusion] = {
             tolerance="GPU only: the gain's gradient is summed over the rows in a fixed blocked order (deterministic, "
             "not torch's): |dw - dw64| <= 1e-5 * sum over rows |g * x * r| (fp32 and bf16 inputs); y and dx are held "
             "bitwise to the eager torch sequence by the same GPU test",
-            gpu_withheld="its GPU test failed on the H200 (2026-12-01: the kv cases of "
-            "tests/gpu/test_qkv_prologue_gpu.py) and it was slower than torch.compile there (fwd 0.85x, bwd 0.45x); "
-            "the two separate ops run on a GPU until both are fixed",
         ),
     )
 }

@@ -15,6 +15,10 @@ Skipped without CUDA.
   of each row's largest value; ``dx`` the float64 gradient within ``q_rms_norm_dx``.
 - **Anti-vacuity**: the same kernel summing in Paddle CPU's sequential order differs from eager torch on some
   rows, so the bitwise match is a property of the order, not of the data.
+- **kv backward plans**: the gain gradient inside the row programs (``DW_FUSED``, the default: a partial per
+  row block, a short last block, the partials' reduction in one or several steps) and in dedicated programs:
+  dx bitwise vs eager torch, dw within ``kv_prologue_dw``, byte-identical run to run, the backward kernel and
+  the partials' reduction each launched once a call.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import assert_bitwise, assert_close
+from helpers import assert_bitwise, assert_close, expect_launches
 from helpers import oracles as orc
 from helpers.torch_rope import eager_rope
 
@@ -222,3 +226,33 @@ def test_deterministic(kernel):
                               ("dx", "dw")):
             if a is not None:
                 assert_bitwise(a, b, what)
+
+
+KV_PLANS = [
+    ({}, True),
+    ({"kv_bwd_rows": 8, "kv_bwd_warps": 4}, True),  # the rows' partial summed across warps
+    ({"kv_bwd_rows": 2, "kv_bwd_warps": 1, "reduce_block_c": 32, "reduce_segments": 64}, True),  # 4 reduce steps
+    ({"dw_fused": False}, False),  # the dedicated gain programs
+]
+
+
+@pytest.mark.parametrize("settings, fused", KV_PLANS, ids=["default", "8 rows", "2 rows, 4 steps", "dedicated"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kv_backward_plans(kernel, monkeypatch, settings, fused, dtype):
+    """Every kv backward plan: dx bitwise vs eager torch, dw within its tolerance, run to run identical; the
+    plan really is the one named (fused or not) and launches the backward kernel and the reduction once each."""
+    for key, value in settings.items():
+        monkeypatch.setitem(kernel.TUNE, key, value)
+    x, g, w = make((3, 150, 512), dtype, seed=21, gain=True)
+    cos, sin, _ = tables(150, 64)
+    y, r = kernel.norm_rope_fused(x, EPS, cos, sin, w)
+    with expect_launches("_norm_rope_bwd_kernel", "_dw_reduce_kernel", exactly=2):
+        dx, dw = kernel.norm_rope_bwd(g, x, r, cos, sin, w)
+        dx_2, dw_2 = kernel.norm_rope_bwd(g, x, r, cos, sin, w)
+    plan = next(p for k, p in kernel._BWD_PLANS.items() if k[0] == kernel.layout_key(g) and k[-1] == kernel._tuning())
+    assert plan.meta["DW_FUSED"] is fused and plan.info[2] > 1, (plan.meta, plan.info)
+    dx_eager, dw_eager = eager_grads(x, g, cos, sin, w)
+    assert_bitwise(dx, dx_eager, f"dx {settings} {dtype}")
+    _dw_checks(kernel, dw, dw_eager, x, g, r, cos, sin, f"{settings} {dtype}")
+    assert_bitwise(dx_2, dx, "dx run to run")
+    assert_bitwise(dw_2, dw, "dw run to run")

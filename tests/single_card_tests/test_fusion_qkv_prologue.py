@@ -322,6 +322,42 @@ def test_gpu_gain_gradient_plan_segments_and_reduction(monkeypatch):
     assert not torch.equal(dw_1, dw_seq), "the blocked order happens to give the sequential bits: data too easy"
 
 
+def test_gpu_fused_gain_gradient_plan(monkeypatch):
+    """The GPU plan of the kv backward with the gain gradient inside the row programs (``DW_FUSED``: torch order,
+    the one-pass kernel; 10 blocks of 8 rows, the last one short, each writing a partial; the reduction in 3
+    steps of 4 partials) in the interpreter: dx bitwise the dedicated programs' plan, dw within its tolerance of
+    float64 (a planted change of 2e-5 of one column's scale is caught), byte-identical run to run, one backward
+    and one reduction launch a call."""
+    rng = np.random.default_rng(12)
+    x = torch.from_numpy(_scaled((2, 37, 512), 4))
+    g = torch.from_numpy(rng.standard_normal((2, 37, 512)).astype(F32))
+    w = torch.from_numpy((1 + 0.3 * rng.standard_normal(512)).astype(F32))
+    cos, sin = (torch.from_numpy(t.numpy()) for t in _tables(2, 37, 32))
+    order = q_kernel.torch_cuda_order(74, 512)
+    _, r = kernel.norm_rope_fused(x, EPS, cos, sin, w, order)
+    dx_ref, _ = kernel.norm_rope_bwd(g, x, r, cos, sin, w, order)  # interpreted: the dedicated gain programs
+    monkeypatch.setattr(kernel, "is_interpreted", lambda: False)
+    monkeypatch.setitem(kernel.TUNE, "kv_bwd_rows", 8)
+    monkeypatch.setitem(kernel.TUNE, "reduce_segments", 4)
+    with expect_launches(BWD, "_dw_reduce_kernel", exactly=2):
+        dx_1, dw_1 = kernel.norm_rope_bwd(g, x, r, cos, sin, w, order)
+        dx_2, dw_2 = kernel.norm_rope_bwd(g, x, r, cos, sin, w, order)
+    plan = kernel._BWD_PLANS[(kernel.layout_key(g), kernel.layout_key(x), kernel.layout_key(r), kernel.layout_key(cos),
+                              kernel.layout_key(sin), kernel.layout_key(w), order, kernel._tuning())]
+    assert plan.meta["DW_FUSED"] and plan.grid == (10,) and plan.meta["BLOCK_R"] == 8, (plan.grid, plan.meta)
+    assert plan.info[3].grid == (512 // kernel.REDUCE_BLOCK_C,) and plan.info[3].meta["BLOCK_S"] == 4
+    assert_bitwise(dx_1, dx_ref, "dx, fused gain plan")
+    assert_bitwise(dx_2, dx_1, "dx run to run")
+    assert_bitwise(dw_2, dw_1, "dw run to run")
+    products = rope_kernel.rope_grad(g, cos, sin).double() * (x * r).double()
+    dw64, scale = products.reshape(-1, 512).sum(0), products.abs().reshape(-1, 512).sum(0)
+    assert_close(dw_1, dw64, "fp32", "kv_prologue_dw", what="dw, fused gain plan", scale=scale)
+    planted = dw_1.clone()
+    planted[7] += 2e-5 * float(scale[7])
+    with pytest.raises(AssertionError):
+        assert_close(planted, dw64, "fp32", "kv_prologue_dw", what="planted", scale=scale)
+
+
 # --------------------------------------------------------------------------------------------------------
 # The provider and the layer.
 # --------------------------------------------------------------------------------------------------------

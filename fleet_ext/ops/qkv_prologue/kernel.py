@@ -18,8 +18,10 @@ Paddle CPU's (sequential) in the interpreter, torch CUDA's on a GPU. On the CPU 
 forward there is the q norm's statistics launch, Paddle's ``rsqrt`` on the ``[.., 1]`` tensor, and this
 op's apply launch (norm output and rotation together); the backward is one launch. On a GPU the forward is
 one launch. ``dw``: Paddle CPU's order (one sequential sum from 0 over all rows) in the interpreter; on a GPU
-a fixed blocked order (deterministic, not torch's; ``tolerance`` in the registry) with a second, small launch
-(``_dw_reduce_kernel``) adding the row segments' partials in order when there is more than one segment.
+a fixed blocked order (deterministic, not torch's; ``tolerance`` in the registry): each backward row program
+also sums its rows' ``g * (x * r)`` into a partial (``DW_FUSED``: dy and x read once for both gradients; the
+dedicated gain programs where the one-pass kernel does not apply), and a second, small launch
+(``_dw_reduce_kernel``) adds the partials in order when there is more than one.
 
 Framework-agnostic (Paddle or torch tensors through :mod:`fleet_ext.ops.launch`); imports neither.
 """
@@ -32,10 +34,9 @@ import triton
 
 from fleet_ext.ops.launch import (
     Plan,
-    detached,
     dtype_name,
     empty_like,
-    launch,
+    fire,
     layout_key,
     plan_cache,
     shape_of,
@@ -49,12 +50,24 @@ from fleet_ext.ops.rope import kernel as rope_kernel
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 PHASE_APPLY, PHASE_FUSED = 1, 2
-# Launch geometry of the GPU path: the q norm's tuned one-pass defaults (same row width, same order) unless
-# TUNE overrides them (the benchmark's sweep); the gain-gradient programs: BLOCK_C columns, DW_ROWS rows a step
-# (a small tile: the kernel's register budget is the larger of its two program kinds'), about DW_PROGRAMS programs
-# in all (row segments x column blocks); the segment reduction sums DW_REDUCE_SEGMENTS segments a step.
+# Launch geometry of the GPU path's one-pass kernels, per tensor and direction: (rows per program for a
+# 128-column chunk, warps), from the sweep ``scripts/bench/cases_qkv_prologue.py --sweep`` on the H200
+# (benchmarks/RESULTS.md; TUNE keys ``q_fwd_rows``, ``kv_bwd_warps``, ..., ``q_stream`` / ``kv_stream`` override).
+# q backward: 2 rows / 2 warps (771 us at [1, 16384, 64, 512] against 836 for the q norm's 4 / 2). kv has one head
+# of 512 per token, so its rows are its tokens (16384 at most): its backward runs 4 rows on one warp (34 us of
+# device time at 16384 against 49 for 4 / 2: the rows' gain partial is summed inside the warp); its forward keeps
+# 4 / 2 (every setting within 1 us of device time there).
+GEOMETRY = {"q_fwd": (4, 2), "q_bwd": (2, 2), "kv_fwd": (4, 2), "kv_bwd": (4, 1)}
 TUNE: dict = {}
+# The kv gain gradient on a GPU. Fused (``DW_FUSED``, the one-pass backward with at most 4 chunks a row): each row
+# program also writes its rows' partial (so the kv backward geometry sets the partials' count, rows / BLOCK_R).
+# Else dedicated programs: BLOCK_C columns, DW_ROWS rows a step (a small tile: the kernel's register budget is
+# the larger of its two program kinds'), about DW_PROGRAMS programs in all (row segments x column blocks). The
+# partials' reduction: REDUCE_BLOCK_C columns a program, up to REDUCE_SEGMENTS partials a step
+# (DW_REDUCE_SEGMENTS for the dedicated programs' partials), REDUCE_WARPS warps.
+DW_FUSED = True
 DW_BLOCK_C, DW_ROWS, DW_PROGRAMS, DW_REDUCE_SEGMENTS = 64, 8, 1024, 32
+REDUCE_BLOCK_C, REDUCE_SEGMENTS, REDUCE_WARPS = 8, 1024, 8  # 4 steps for the 4096 partials of 16384 kv rows
 
 
 def is_interpreted() -> bool:
@@ -97,22 +110,22 @@ def _tables(cos: Any, sin: Any, batch: int) -> list[int]:
     return [*rope_kernel._table_strides(cos, batch), *rope_kernel._table_strides(sin, batch)]
 
 
-def _config(d: int, order: Order, phase: int, backward: bool) -> dict:
+def _config(d: int, order: Order, phase: int, backward: bool, kv: bool = False) -> dict:
     one_pass = q_kernel._one_pass(d, order, phase)
     chunk = order.lanes * order.nacc
+    key = ("kv_" if kv else "q_") + ("bwd" if backward else "fwd")
     if is_interpreted():  # numpy per op: few, large programs
         block_r, warps = 64, 4
     elif one_pass:
-        key = "bwd" if backward else "fwd"
-        rows_128 = int(TUNE.get(f"{key}_rows", q_kernel.BWD_ROWS if backward else q_kernel.FWD_ROWS))
-        warps = int(TUNE.get(f"{key}_warps", q_kernel.BWD_WARPS if backward else q_kernel.FWD_WARPS))
+        rows_128 = int(TUNE.get(f"{key}_rows", GEOMETRY[key][0]))
+        warps = int(TUNE.get(f"{key}_warps", GEOMETRY[key][1]))
         block_r = max(1, min(64, rows_128 * 128 // chunk))
     else:
         block_r, warps = max(1, min(64, 2048 // chunk)), 4
     block_d = triton.next_power_of_2(d) if is_interpreted() else min(triton.next_power_of_2(d), 256)
+    stream = bool(TUNE.get(f"{key.split('_')[0]}_stream", q_kernel.STREAM))
     return dict(BLOCK_R=block_r, BLOCK_D=block_d, LANES=order.lanes, NACC=order.nacc, ACC_INNER=order.acc_inner,
-                HALVING=order.halving, ONE_PASS=one_pass, STREAM=bool(TUNE.get("stream", q_kernel.STREAM)),
-                num_warps=warps)
+                HALVING=order.halving, ONE_PASS=one_pass, STREAM=stream, num_warps=warps)
 
 
 # Plans per (layouts, phase, eps, order, launch defaults): checks, order and configuration run once per key
@@ -127,7 +140,8 @@ def _key(t: Any) -> Any:
 
 def _tuning() -> tuple:
     """The module-level launch defaults a plan depends on (the benchmark's sweep changes them)."""
-    return (tuple(TUNE.items()) if TUNE else (), DW_BLOCK_C, DW_ROWS, DW_PROGRAMS, DW_REDUCE_SEGMENTS,
+    return (tuple(TUNE.items()) if TUNE else (), tuple(GEOMETRY.values()), DW_FUSED, DW_BLOCK_C,
+            DW_ROWS, DW_PROGRAMS, DW_REDUCE_SEGMENTS, REDUCE_BLOCK_C, REDUCE_SEGMENTS, REDUCE_WARPS,
             q_kernel._tuning(), is_interpreted())
 
 
@@ -145,7 +159,7 @@ def _prepare_fwd(key: tuple, x: Any, r: Any, cos: Any, sin: Any, weight: Any, ph
     info = (_rows_shape(x), q_kernel._float32_of(x))
     if rows == 0 or d == 0:
         return _FWD_PLANS.add(key, Plan(None, info=info))
-    cfg = _config(d, order, phase, backward=False)
+    cfg = _config(d, order, phase, backward=False, kv=weight is not None)
     step = q_kernel._row_stride(shape, strides)
     if step is not None:
         strides[2] = step
@@ -164,10 +178,7 @@ def _forward_plan(x: Any, r: Any, cos: Any, sin: Any, weight: Any, phase: int, e
 
 def _forward(plan: Plan, x: Any, r: Any, cos: Any, sin: Any, weight: Any) -> Any:
     y = empty_like(x)
-    if plan.grid is not None:
-        launch(_norm_rope_fwd_kernel, plan.grid,
-               detached(x), y, detached(r), detached(weight if weight is not None else x), detached(cos),
-               detached(sin), *plan.scalars, bound=plan.bound, **plan.meta)
+    fire(_norm_rope_fwd_kernel, plan, x, y, r, weight if weight is not None else x, cos, sin)
     return y
 
 
@@ -197,8 +208,8 @@ def norm_rope_fused(x: Any, eps: float, cos: Any, sin: Any, weight: Any = None,
 def _dw_plan(rows: int, d: int) -> tuple[int, int, int, int]:
     """(BLOCK_C, DW_ROWS, segments, rows per segment) of the gain programs: one sequential segment when
     interpreted (Paddle CPU's order), else enough segments for about ``DW_PROGRAMS`` programs."""
-    if is_interpreted():
-        return triton.next_power_of_2(d), 1, 1, max(rows, 1)
+    if is_interpreted():  # DW_ROWS rows a step, each one sequential scan (kernel_bwd._dw_program)
+        return triton.next_power_of_2(d), 64, 1, max(rows, 1)
     block_c = min(int(TUNE.get("dw_block_c", DW_BLOCK_C)), triton.next_power_of_2(d))
     step = int(TUNE.get("dw_rows", DW_ROWS))
     ncol = triton.cdiv(d, block_c)
@@ -222,23 +233,45 @@ def _prepare_bwd(key: tuple, dy: Any, x: Any, r: Any, cos: Any, sin: Any, weight
     fp32 = q_kernel._float32_of(x)
     if rows == 0 or d == 0:
         return _BWD_PLANS.add(key, Plan(None, info=(d, fp32, 0, None)))
-    cfg = _config(d, order, PHASE_FUSED, backward=True)
+    cfg = _config(d, order, PHASE_FUSED, backward=True, kv=weight is not None)
     x_step, g_step = q_kernel._row_stride([b, s, h, d], x_strides), q_kernel._row_stride([b, s, h, d], g_strides)
     flat = x_step is not None and g_step is not None
     if flat:
         x_strides[2], g_strides[2] = x_step, g_step
-    block_c, dw_rows, n_seg, seg_rows = _dw_plan(rows, d) if weight is not None else (1, 1, 0, 1)
-    n_dw = n_seg * triton.cdiv(d, block_c)
+    fused = weight is not None and _dw_fused(d, order, cfg)
+    if fused:  # one program per row block: dx and the block's gain partial
+        block_c, dw_rows, n_dw, seg_rows = 1, 1, 0, cfg["BLOCK_R"]
+        n_seg = triton.cdiv(rows, seg_rows)
+        grid = (n_seg,)
+    else:
+        block_c, dw_rows, n_seg, seg_rows = _dw_plan(rows, d) if weight is not None else (1, 1, 0, 1)
+        n_dw = n_seg * triton.cdiv(d, block_c)
+        grid = (n_dw + triton.cdiv(rows, cfg["BLOCK_R"]),)
     meta = dict(D=d, NOPE=d - 2 * int(cos.shape[-1]), FLAVOR=order.flavor, HAS_W=weight is not None,
                 DOWNCAST=dtype_name(x) != "float32", FLAT_ROWS=flat, USE_PTX=rope_kernel.USE_PTX,
-                BLOCK_C=block_c, DW_ROWS=dw_rows, enable_fp_fusion=False, **cfg)
+                BLOCK_C=block_c, DW_ROWS=dw_rows, DW_FUSED=fused, enable_fp_fusion=False, **cfg)
     scalars = (rows, seg_rows, n_dw, s, h, *x_strides, *g_strides, *_tables(cos, sin, b), float(order.inv_d))
-    reduce = None
-    if n_seg > 1:
-        block_s = min(int(TUNE.get("dw_reduce_segments", DW_REDUCE_SEGMENTS)), triton.next_power_of_2(n_seg))
-        reduce = Plan((triton.cdiv(d, block_c),), (n_seg,), dict(D=d, BLOCK_C=block_c, BLOCK_S=block_s))
-    grid = (n_dw + triton.cdiv(rows, cfg["BLOCK_R"]),)
+    reduce = _reduce_plan(n_seg, d, fused, block_c) if n_seg > 1 else None
     return _BWD_PLANS.add(key, Plan(grid, scalars, meta, (d, fp32, n_seg, reduce)))
+
+
+def _dw_fused(d: int, order: Order, cfg: dict) -> bool:
+    """The gain gradient inside the row programs: a GPU plan of the one-pass backward with at most 4 chunks a row
+    (the interpreter keeps Paddle CPU's sequential order in the dedicated programs)."""
+    return (bool(TUNE.get("dw_fused", DW_FUSED)) and cfg["ONE_PASS"] and not is_interpreted()
+            and triton.cdiv(d, cfg["LANES"] * 4) <= 4)
+
+
+def _reduce_plan(n_seg: int, d: int, fused: bool, block_c: int) -> Plan:
+    """The partials' reduction: the fused path's (narrow column blocks, all segments in one step where they fit:
+    a short pass over a small buffer) or the dedicated programs' (their column blocks, DW_REDUCE_SEGMENTS a step)."""
+    if fused:
+        block_c = min(int(TUNE.get("reduce_block_c", REDUCE_BLOCK_C)), triton.next_power_of_2(d))
+        cap, warps = int(TUNE.get("reduce_segments", REDUCE_SEGMENTS)), int(TUNE.get("reduce_warps", REDUCE_WARPS))
+    else:
+        cap, warps = int(TUNE.get("dw_reduce_segments", DW_REDUCE_SEGMENTS)), 4
+    block_s = min(cap, triton.next_power_of_2(n_seg))
+    return Plan((triton.cdiv(d, block_c),), (n_seg,), dict(D=d, BLOCK_C=block_c, BLOCK_S=block_s, num_warps=warps))
 
 
 def norm_rope_bwd(dy: Any, x: Any, r: Any, cos: Any, sin: Any, weight: Any = None,
@@ -256,12 +289,8 @@ def norm_rope_bwd(dy: Any, x: Any, r: Any, cos: Any, sin: Any, weight: Any = Non
             dw.zero_()  # a sum over no rows
         return dx, dw
     part = dw if n_seg <= 1 else empty_like(dw, shape=[n_seg, d])
-    launch(
-        _norm_rope_bwd_kernel, plan.grid,
-        detached(x), detached(dy), detached(r), dx, detached(weight if weight is not None else x),
-        part if part is not None else detached(r), detached(cos), detached(sin), *plan.scalars,
-        bound=plan.bound, **plan.meta,
-    )
+    fire(_norm_rope_bwd_kernel, plan, x, dy, r, dx, weight if weight is not None else x,
+         part if part is not None else r, cos, sin)
     if reduce is not None:
-        launch(_dw_reduce_kernel, reduce.grid, part, dw, *reduce.scalars, bound=reduce.bound, **reduce.meta)
+        fire(_dw_reduce_kernel, reduce, part, dw)
     return dx, dw

@@ -7,7 +7,13 @@ so they run alongside the row programs): ``dw = sum over rows of g * (x * r)`` f
 fixed order: rows in steps of ``DW_ROWS`` into ``[DW_ROWS, BLOCK_C]`` accumulators, each step added in row
 order, the accumulators then summed by ``tl.sum``; with several row segments each writes its partial and
 ``_dw_reduce_kernel`` adds them in a fixed order. ``DW_ROWS = 1`` with one segment is Paddle CPU's order
-(one sequential sum from 0 over the rows). No atomics: the result is the same run to run. Device code only.
+(one sequential sum from 0 over the rows); interpreted, that order is kept with ``DW_ROWS`` rows a step as
+one scan each (NumPy's sequential ``cumsum``), the running sum carried into the step's first row. ``DW_FUSED``
+(kv, the one-pass kernel on a GPU, at most 4 chunks a row): no gain programs; each row program (``BLOCK_R``
+rows, dx as the row programs compute it) also sums
+``g * (x * r)`` over its rows (``tl.sum``) into its own partial row, so ``dy`` and ``x`` are read once for both
+gradients, and ``_dw_reduce_kernel`` adds the partials (rows / BLOCK_R of them). No atomics: the result is the
+same run to run. Device code only.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import triton
 import triton.language as tl
 
 from fleet_ext.ops.q_rms_norm.kernel_bwd import _d_sq, _dx_tile
-from fleet_ext.ops.q_rms_norm.kernel_common import _combine, _put, _row_offsets, _tile
+from fleet_ext.ops.q_rms_norm.kernel_common import _INTERPRETED, _combine, _put, _row_offsets, _sequential_sum, _tile
 from fleet_ext.ops.qkv_prologue.kernel_common import _grad_cols, _table_offsets, _weighted
 
 
@@ -124,15 +130,24 @@ def _bwd_streamed(
     """Any order, any width: the row sum over chunks of ``LANES * NACC`` columns (the gradient recomputed per
     chunk), then ``dx`` in ``BLOCK_D``-column steps."""
     C: tl.constexpr = LANES * NACC
-    acc = tl.zeros([BLOCK_R, C], dtype=tl.float32)
-    for c0 in range(0, D, C):
-        col = c0 + tl.arange(0, C)
+    if C == 1 and _INTERPRETED:  # the one-lane order over the whole row at once (interpreted: BLOCK_D >= D)
+        col = tl.arange(0, BLOCK_D)
         g = _g_cols(g_ptr, g_row, g_sd, col, row_mask, w_ptr, cos_ptr, sin_ptr, tab_c, tab_s, c_sk, n_sk, NOPE, D,
                     HAS_W, DOWNCAST, USE_PTX)
         mask = row_mask[:, None] & (col < D)[None, :]
         x = tl.load(x_ptr + x_row[:, None] + col[None, :] * x_sd, mask=mask, other=0.0).to(tl.float32)
-        acc = acc + x * g
-    d_sq = _d_sq(_combine(acc, BLOCK_R, LANES, NACC, ACC_INNER, HALVING), r, inv_d, D, BLOCK_R, FLAVOR)
+        total = _sequential_sum(x * g, col, D)
+    else:
+        acc = tl.zeros([BLOCK_R, C], dtype=tl.float32)
+        for c0 in range(0, D, C):
+            col = c0 + tl.arange(0, C)
+            g = _g_cols(g_ptr, g_row, g_sd, col, row_mask, w_ptr, cos_ptr, sin_ptr, tab_c, tab_s, c_sk, n_sk, NOPE,
+                        D, HAS_W, DOWNCAST, USE_PTX)
+            mask = row_mask[:, None] & (col < D)[None, :]
+            x = tl.load(x_ptr + x_row[:, None] + col[None, :] * x_sd, mask=mask, other=0.0).to(tl.float32)
+            acc = acc + x * g
+        total = _combine(acc, BLOCK_R, LANES, NACC, ACC_INNER, HALVING)
+    d_sq = _d_sq(total, r, inv_d, D, BLOCK_R, FLAVOR)
     out_dtype = dx_ptr.dtype.element_ty
     for c0 in range(0, D, BLOCK_D):
         col = c0 + tl.arange(0, BLOCK_D)
@@ -162,8 +177,10 @@ def _dw_program(
     first = seg.to(tl.int64) * seg_rows
     end = tl.minimum(first + seg_rows, n_rows)
     acc = tl.zeros([DW_ROWS, BLOCK_C], dtype=tl.float32)
+    carry = tl.zeros([BLOCK_C], dtype=tl.float32)  # interpreted: the sequential sum so far
+    step = tl.arange(0, DW_ROWS)
     for start in range(first, end, DW_ROWS):
-        rows = start + tl.arange(0, DW_ROWS)
+        rows = start + step
         row_mask = rows < end
         x_row = _row_offsets(rows, S, H, x_sb, x_ss, x_sh, FLAT_ROWS)
         g_row = _row_offsets(rows, S, H, g_sb, g_ss, g_sh, FLAT_ROWS)
@@ -173,8 +190,16 @@ def _dw_program(
         mask = row_mask[:, None] & (col < D)[None, :]
         x = tl.load(x_ptr + x_row[:, None] + col[None, :] * x_sd, mask=mask, other=0.0).to(tl.float32)
         r = tl.load(r_ptr + rows, mask=row_mask, other=0.0)
-        acc = acc + g * (x * r[:, None])
-    if DW_ROWS == 1:
+        if _INTERPRETED:  # ((carry + t0) + t1) + ...: the step's rows in order (a from-zero sum is never -0.0)
+            terms = g * (x * r[:, None])
+            terms = tl.where((step == 0)[:, None], carry[None, :] + terms, terms)
+            last = tl.minimum(end - start, DW_ROWS) - 1
+            carry = tl.sum(tl.where((step == last)[:, None], tl.cumsum(terms, axis=0), 0.0), axis=0)
+        else:
+            acc = acc + g * (x * r[:, None])
+    if _INTERPRETED:
+        part = carry
+    elif DW_ROWS == 1:
         part = tl.reshape(acc, [BLOCK_C])
     else:
         part = tl.sum(acc, axis=0)
@@ -208,6 +233,67 @@ def _row_program(
 
 
 @triton.jit
+def _kv_chunk(
+    T: tl.constexpr, part, x_ptr, g_ptr, w_ptr, cos_ptr, sin_ptr, row_mask, x_row, g_row, x_sd, g_sd, r, tab_c,
+    tab_s, c_sk, n_sk, C: tl.constexpr, NOPE: tl.constexpr, D: tl.constexpr, DOWNCAST: tl.constexpr,
+    USE_PTX: tl.constexpr, STREAM: tl.constexpr,
+):
+    """Chunk T of a kv row block: (``_g_tile``'s gradient, times the gain; x); stores the block's gain-gradient
+    partial of the chunk, the sum over its rows of ``g * (x * r)`` (``g`` before the gain, as ``_dw_program``)."""
+    col = T * C + tl.arange(0, C)
+    g = _tile(g_ptr, g_row, g_sd, row_mask, T, C, D, STREAM)
+    g = _grad_cols(g, g_ptr, g_row, g_sd, col, row_mask, cos_ptr, sin_ptr, tab_c, tab_s, c_sk, n_sk, NOPE, D,
+                   (T + 1) * C > NOPE, g_ptr.dtype.element_ty, DOWNCAST, USE_PTX)
+    x = _tile(x_ptr, x_row, x_sd, row_mask, T, C, D, STREAM)
+    tl.store(part + col, tl.sum(g * (x * r[:, None]), axis=0), mask=col < D)
+    return _weighted(g, w_ptr, col, D, True), x
+
+
+@triton.jit
+def _kv_block(
+    pid, x_ptr, g_ptr, r_ptr, dx_ptr, w_ptr, dw_ptr, cos_ptr, sin_ptr, n_rows, S, H, x_sb, x_ss, x_sh, x_sd,
+    g_sb, g_ss, g_sh, g_sd, c_sb, c_ss, c_sk, n_sb, n_ss, n_sk, inv_d, D: tl.constexpr, NOPE: tl.constexpr,
+    BLOCK_R: tl.constexpr, LANES: tl.constexpr, ACC_INNER: tl.constexpr, HALVING: tl.constexpr,
+    FLAVOR: tl.constexpr, DOWNCAST: tl.constexpr, FLAT_ROWS: tl.constexpr, STREAM: tl.constexpr,
+    USE_PTX: tl.constexpr,
+):
+    """``DW_FUSED``: dx of rows ``BLOCK_R * pid ..`` exactly as ``_bwd_one_pass`` (at most 4 chunks a row), and
+    their gain-gradient partial (row ``pid`` of ``dw_ptr``)."""
+    C: tl.constexpr = LANES * 4
+    NT: tl.constexpr = (D + C - 1) // C
+    rows = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_mask = rows < n_rows
+    x_row = _row_offsets(rows, S, H, x_sb, x_ss, x_sh, FLAT_ROWS)
+    g_row = _row_offsets(rows, S, H, g_sb, g_ss, g_sh, FLAT_ROWS)
+    tab_c, tab_s = _table_offsets(rows, S, H, c_sb, c_ss, n_sb, n_ss)
+    r = tl.load(r_ptr + rows, mask=row_mask, other=0.0)
+    part = dw_ptr + pid.to(tl.int64) * D
+    g0, x0 = _kv_chunk(0, part, x_ptr, g_ptr, w_ptr, cos_ptr, sin_ptr, row_mask, x_row, g_row, x_sd, g_sd, r,
+                       tab_c, tab_s, c_sk, n_sk, C, NOPE, D, DOWNCAST, USE_PTX, STREAM)
+    acc = tl.zeros([BLOCK_R, C], dtype=tl.float32) + g0 * x0  # as _bwd_one_pass: the identity 0 first
+    if NT > 1:
+        g1, x1 = _kv_chunk(1, part, x_ptr, g_ptr, w_ptr, cos_ptr, sin_ptr, row_mask, x_row, g_row, x_sd, g_sd, r,
+                           tab_c, tab_s, c_sk, n_sk, C, NOPE, D, DOWNCAST, USE_PTX, STREAM)
+        acc = acc + g1 * x1
+    if NT > 2:
+        g2, x2 = _kv_chunk(2, part, x_ptr, g_ptr, w_ptr, cos_ptr, sin_ptr, row_mask, x_row, g_row, x_sd, g_sd, r,
+                           tab_c, tab_s, c_sk, n_sk, C, NOPE, D, DOWNCAST, USE_PTX, STREAM)
+        acc = acc + g2 * x2
+    if NT > 3:
+        g3, x3 = _kv_chunk(3, part, x_ptr, g_ptr, w_ptr, cos_ptr, sin_ptr, row_mask, x_row, g_row, x_sd, g_sd, r,
+                           tab_c, tab_s, c_sk, n_sk, C, NOPE, D, DOWNCAST, USE_PTX, STREAM)
+        acc = acc + g3 * x3
+    d_sq = _d_sq(_combine(acc, BLOCK_R, LANES, 4, ACC_INNER, HALVING), r, inv_d, D, BLOCK_R, FLAVOR)
+    _put(dx_ptr, rows, _dx_tile(g0, x0, r, d_sq, FLAVOR), row_mask, 0, C, D, DOWNCAST, STREAM)
+    if NT > 1:
+        _put(dx_ptr, rows, _dx_tile(g1, x1, r, d_sq, FLAVOR), row_mask, 1, C, D, DOWNCAST, STREAM)
+    if NT > 2:
+        _put(dx_ptr, rows, _dx_tile(g2, x2, r, d_sq, FLAVOR), row_mask, 2, C, D, DOWNCAST, STREAM)
+    if NT > 3:
+        _put(dx_ptr, rows, _dx_tile(g3, x3, r, d_sq, FLAVOR), row_mask, 3, C, D, DOWNCAST, STREAM)
+
+
+@triton.jit
 def _norm_rope_bwd_kernel(
     x_ptr, g_ptr, r_ptr, dx_ptr, w_ptr, dw_ptr, cos_ptr, sin_ptr,
     n_rows, seg_rows, n_dw, S, H,
@@ -218,11 +304,16 @@ def _norm_rope_bwd_kernel(
     LANES: tl.constexpr, NACC: tl.constexpr, ACC_INNER: tl.constexpr, HALVING: tl.constexpr,
     FLAVOR: tl.constexpr, HAS_W: tl.constexpr, DOWNCAST: tl.constexpr,
     ONE_PASS: tl.constexpr, FLAT_ROWS: tl.constexpr, STREAM: tl.constexpr, USE_PTX: tl.constexpr,
-    BLOCK_C: tl.constexpr, DW_ROWS: tl.constexpr,
+    BLOCK_C: tl.constexpr, DW_ROWS: tl.constexpr, DW_FUSED: tl.constexpr,
 ):
-    """dx for BLOCK_R rows a program; with HAS_W the first n_dw programs compute the gain's gradient instead."""
+    """dx for BLOCK_R rows a program; with HAS_W the first n_dw programs compute the gain's gradient instead, or
+    (DW_FUSED) each program also writes its rows' gain-gradient partial."""
     pid = tl.program_id(0)
-    if HAS_W:
+    if HAS_W and DW_FUSED:
+        _kv_block(pid, x_ptr, g_ptr, r_ptr, dx_ptr, w_ptr, dw_ptr, cos_ptr, sin_ptr, n_rows, S, H, x_sb, x_ss, x_sh,
+                  x_sd, g_sb, g_ss, g_sh, g_sd, c_sb, c_ss, c_sk, n_sb, n_ss, n_sk, inv_d, D, NOPE, BLOCK_R, LANES,
+                  ACC_INNER, HALVING, FLAVOR, DOWNCAST, FLAT_ROWS, STREAM, USE_PTX)
+    elif HAS_W:
         if pid < n_dw:
             _dw_program(pid, x_ptr, g_ptr, r_ptr, dw_ptr, cos_ptr, sin_ptr, n_rows, seg_rows, S, H, x_sb, x_ss,
                         x_sh, x_sd, g_sb, g_ss, g_sh, g_sd, c_sb, c_ss, c_sk, n_sb, n_ss, n_sk, D, NOPE, BLOCK_C,
