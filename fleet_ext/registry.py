@@ -339,7 +339,8 @@ FUSIONS: dict[str, Fusion] = {
             switch="moe_expert_fusion",
             summary="grouped expert GEMMs over the expert-sorted rows (no padding to a capacity; tile map built on the "
             "device from the counts, no host read): gate+up with the clamped SwiGLU epilogue, down; backward with "
-            "the SwiGLU backward in the d_h epilogue and deterministic weight gradients (fixed-order sums, no atomics)",
+            "the SwiGLU backward in the d_h epilogue and deterministic weight gradients (fixed-order sums, no "
+            "atomics); operands through TMA descriptors where widths allow (pointer loads otherwise)",
             fused="fleet_ext.ops.moe_experts.function:experts",
             reference="fleet_ext.ops.moe_experts.reference:grouped_mlp",
             recompute_safe=_yes(_EXPERTS_TEST + "test_tiny_model_under_recompute_is_bitwise_equal_to_no_recompute"),
