@@ -498,7 +498,7 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, bound: Bound | None =
         kernel[grid](*[torch_view(a) if is_paddle(a) and _is_tensor(a) else a for a in args], **meta)
     elif route == capability.ROUTE_TORCH:
         _run(kernel, grid, args, meta, bound)
-        if bound is not None and bound.ready is None and bound.tail:
+        if bound is not None and bound.ready is None and isinstance(bound.tail, tuple):
             bound.ready, bound.name = capability.detect(), _kernel_name(kernel)
     else:
         with _routed(route, kernel, args) as adapted:
