@@ -15,6 +15,12 @@ their PyLayers save: the q/kv prologue (input + row statistics), the fused mHC (
 the combine's four inputs), the fused experts (counts + gate/up), the fused inverse RoPE + postmix in either
 mode (O and M). The storage machinery and the config widths live beside this file in ``recompute_trace.py``.
 
+The MTP depths are priced as their own kind, under their layer index after the backbone's (the projections, the
+decoder layer with its selective modules, the depth's mHC head, norm, LM-head input and cross-entropy); full
+recompute's chunks cover the backbone only, so under it an MTP depth keeps everything. The CSA indexer KL
+(``dsa_indexer_loss_coeff > 0``) adds, per CSA layer, the indexer's scoring pass with gradient, the student at the
+picks and the KL's own saves, all inside the core attention (recomputed with it), plus the ``loss_mask`` input.
+
 Dtypes: ``fp32`` is the CPU run (every cast to fp32 aliases). ``bf16`` prices the same saved storages as the code
 writes them with bf16 weights and activations: tensors it computes in fp32 explicitly stay fp32 (norm
 statistics, mHC mixing, router scores, compressor gates, the reference sparse attention's logits and
@@ -172,8 +178,28 @@ def sparse_attention(tr: Trace, sh: Shapes, q: T, kv_full: T, width: int) -> T:
     return out
 
 
-def core_attention(tr: Trace, sh: Shapes, att: Any, q: T, kv: T, x: T, q_latent: T) -> T:
-    """``layers.dsv4_core_attention.CompressedSparseAttention``: kv_full = [kv | entries], keys per query."""
+def indexer_kl(tr: Trace, sh: Shapes, att: Any, x: T, q_latent: T, picks: int) -> None:
+    """The CSA indexer KL (``dsa_indexer_loss_coeff > 0``): the indexer's scoring pass now runs with gradient (its
+    own compressor at the indexer width, q roped and cast to fp32, fp32 head weights), the student at the picks
+    (``gathered_scores``: flat int64 ids, q and the gathered keys, ReLU output, scaled logits, head weights) and
+    ``indexer_kl_from_mass`` (valid / positive masks, masked logits and their logsumexp, target and log ratio,
+    per-row terms and kept rows, the mean's division) and the auto-scaler's scaled loss. The teacher is no-grad."""
+    rows, width, cells = sh.tokens, sh.idx_d, sh.tokens * sh.idx_heads * picks
+    compressor(tr, sh, att, x, width)
+    q = tr.cast(rope(tr, sh, tr.new("indexer.q", rows * sh.idx_heads * width, q_latent.dtype), width), F32,
+                name="indexer.q:fp32")
+    tr.save(tr.new("indexer.flat_picks", rows * picks, I64), q, tr.new("indexer.chosen", rows * picks * width, F32))
+    tr.save(tr.new("indexer.relu", cells, F32), tr.new("indexer.scaled", cells, F32),
+            tr.new("indexer.head_weights", rows * sh.idx_heads, F32))
+    tr.save(tr.new("kl.valid", rows * picks, BOOL), tr.new("kl.logits", rows * picks, F32), tr.new("kl.lse", rows, F32))
+    tr.save(tr.new("kl.target", rows * picks, F32), tr.new("kl.log_ratio", rows * picks, F32),
+            tr.new("kl.positive", rows * picks, BOOL), tr.new("kl.per_row", rows, F32), tr.new("kl.keep", rows, F32))
+    tr.save(*(tr.new(f"kl.{name}", 1, F32) for name in ("sum", "rows", "mean", "scaled")))
+
+
+def core_attention(tr: Trace, sh: Shapes, att: Any, q: T, kv: T, x: T, q_latent: T, loss_mask: T | None = None) -> T:
+    """``layers.dsv4_core_attention.CompressedSparseAttention``: kv_full = [kv | entries], keys per query; with the
+    indexer KL the layer's ``loss_mask`` is one more input (kept only when the core is recomputed)."""
     if att.kind is LayerKind.FULL_CAUSAL:
         return sparse_attention(tr, sh, q, kv, sh.s)
     width, kv_full = min(att.window, sh.s), kv
@@ -184,6 +210,8 @@ def core_attention(tr: Trace, sh: Shapes, att: Any, q: T, kv: T, x: T, q_latent:
             picks = min(sh.idx_topk, sh.s // att.compress_ratio)
             tr.decide(tr.new("csa_indexer.picks", sh.tokens * picks, I32))
             width += picks
+            if sh.kl:
+                indexer_kl(tr, sh, att, x, q_latent, picks)
         elif entries is not None:
             width += sh.s // att.compress_ratio
     return sparse_attention(tr, sh, q, kv_full, width)
@@ -210,7 +238,10 @@ def attention(tr: Trace, sh: Shapes, att: Any, modules: frozenset, x: T) -> T:
     tr.save(q_latent)
     q, kv = qkv_prologue(tr, sh, tr.new("attn.q_up", bs * sh.h * sh.d, x.dtype), tr.new("attn.kv_down", bs * sh.d,
                                                                                           x.dtype))
-    out = tr.segment("core_attn" in modules, lambda *a: core_attention(tr, sh, att, *a), q, kv, x, q_latent)
+    # with the indexer KL, ``input_ids != pad_token_id``: a new [b, s] bool, an input of the core
+    loss_mask = tr.new("attn.loss_mask", bs, BOOL) if sh.kl and att.has_csa_indexer(sh.dense_csa) else None
+    out = tr.segment("core_attn" in modules, lambda *a: core_attention(tr, sh, att, *a), q, kv, x, q_latent,
+                     loss_mask)
     if sh.vha:
         out = tr.segment("vha_postmix" in modules, lambda o: inv_rope_postmix(tr, sh, o), out)
     else:
@@ -321,8 +352,9 @@ def decoder_layer(tr: Trace, sh: Shapes, att: Any, mlp_kind: str, modules: froze
     return tr.segment(mhc, lambda *a: hyper_combine(tr, sh, *a), streams, out, post, comb)
 
 
-def head(tr: Trace, sh: Shapes, streams: T) -> None:
-    """``HyperHead`` collapse, final norm, LM head and the mean cross-entropy (the "other" bucket)."""
+def head(tr: Trace, sh: Shapes, streams: T, shifted_labels: bool = False) -> None:
+    """``HyperHead`` collapse, final norm, LM head and the mean cross-entropy (the "other" bucket; an MTP depth's
+    own head too, whose cross-entropy also keeps its labels, ``shifted`` copies rather than the loader's)."""
     rows = sh.tokens
     if sh.fusion["mhc"]:  # ``mhc_head``: the ``_Pre`` PyLayer with n mix logits per token
         tr.save(streams, tr.new("head.mix", rows * sh.n, F32), tr.new("head.r", rows, F32))
@@ -334,6 +366,8 @@ def head(tr: Trace, sh: Shapes, streams: T) -> None:
         collapsed = tr.cast(tr.new("head.collapsed", rows * sh.D, F32), streams.dtype, name="head.collapsed")
     hidden = rms_norm(tr, collapsed, rows)
     tr.save(hidden)
+    if shifted_labels:
+        tr.save(tr.new("loss.labels", rows, I64))
     tr.save(tr.new("loss.softmax", rows * sh.vocab, F32))  # cross_entropy keeps its softmax
     tr.save(tr.new("loss.sum", 1, F32), tr.new("loss.count", 1, F32), tr.new("loss.mean", 1, F32))
 
@@ -362,11 +396,33 @@ def layer_terms(config: Any, layer: int, batch: int, seq: int, act: str = F32) -
     return tr.saved
 
 
+def mtp_terms(config: Any, depth: int, batch: int, seq: int, act: str = F32) -> dict[str, T]:
+    """The storages MTP depth ``depth`` keeps (``models.mtp.MultiTokenPredictionLayer`` and its loss): the embedding
+    lookup's shifted ids, ``enorm`` and ``e_proj``'s input, ``hnorm`` over the previous hidden streams (themselves
+    kept by the head before it, so not charged here) and ``h_proj``'s input, its decoder layer (layer index
+    ``num_hidden_layers + depth - 1``: its kind, MLP and selective modules; full recompute chunks only cover the
+    backbone), its own mHC head, final norm, the shared LM head's input and the cross-entropy with shifted labels."""
+    sh = Shapes.of(config, batch, seq)
+    tr, rows, layer = Trace(act), sh.tokens, config.model.num_hidden_layers + depth - 1
+    hidden = T("mtp.hidden", rows * sh.n * sh.D, act)
+    tr.save(tr.new("mtp.ids_ahead", rows, I64))
+    tr.save(rms_norm(tr, tr.new("mtp.embedding", rows * sh.D, act), rows))  # e_proj(enorm(E[ids ahead]))
+    tr.save(rms_norm(tr, hidden, rows * sh.n))  # h_proj(hnorm(hidden))
+    streams = tr.new("mtp.streams", hidden.numel, act)  # h_proj + e_proj broadcast over the streams
+    out = decoder_layer(tr, sh, layer_attention(config.model, layer), mlp_kind(config, layer),
+                        recompute_plan(config).modules_of(layer), streams)
+    head(tr, sh, out, shifted_labels=True)
+    tr.saved.pop(hidden.name, None)
+    return tr.saved
+
+
 def other_terms(config: Any, batch: int, seq: int, act: str = F32) -> dict[str, T]:
     sh = Shapes.of(config, batch, seq)
     tr = Trace(act)
     tr.save(tr.new("embedding.ids", sh.tokens, I64))  # the lookup keeps its ids (negative ones remapped first)
     head(tr, sh, T("head.streams", sh.tokens * sh.n * sh.D, act))
+    if sh.mtp:  # the MTP loss (mean over depths x mtp_loss_scaling_factor) held by the auto-scaler
+        tr.save(tr.new("mtp.scaled_loss", 1, F32))
     return tr.saved
 
 
@@ -375,9 +431,12 @@ def nbytes(terms: dict[str, T]) -> int:
 
 
 def model_bytes(config: Any, batch: int, seq: int, act: str = F32) -> dict[int | None, int]:
-    """Bytes kept per decoder layer, and under None the embedding / head / loss."""
-    out: dict[int | None, int] = {i: nbytes(layer_terms(config, i, batch, seq, act))
-                                  for i in range(config.model.num_hidden_layers)}
+    """Bytes kept per decoder layer, per MTP depth (under its layer index, after the backbone's) and under None the
+    embedding / head / loss."""
+    layers = config.model.num_hidden_layers
+    out: dict[int | None, int] = {i: nbytes(layer_terms(config, i, batch, seq, act)) for i in range(layers)}
+    for depth in range(1, config.model.num_nextn_predict_layers + 1):
+        out[layers + depth - 1] = nbytes(mtp_terms(config, depth, batch, seq, act))
     out[None] = nbytes(other_terms(config, batch, seq, act))
     return out
 
@@ -408,25 +467,32 @@ def _load(source: Any, overrides: dict, policy: dict) -> Any:
     return load_config(source, **{**overrides, **clear, **policy})
 
 
+def _probe(overrides: dict) -> dict:
+    """A model with one top-k MoE decoder layer of each kind (no MTP) at the same widths."""
+    return {**overrides, "csa_compress_ratios": PROBE_KINDS, "num_hidden_layers": len(PROBE_KINDS),
+            "num_nextn_predict_layers": 0, "moe_n_hash_layers": 0, "first_k_dense_replace": 0}
+
+
 def kind_table(source: Any, overrides: dict, batch: int, seq: int, act: str) -> tuple[list[str], list[list]]:
-    """Rows (policy, bytes per layer of each kind, model total) at ``source``'s widths: the kinds on a probe model
-    with one top-k MoE layer of each kind, the total on the model as configured."""
+    """Rows (policy, bytes per layer of each kind, per MTP depth when there are any, model total) at ``source``'s
+    widths: the kinds on a probe model, the MTP depths (mean) and the total on the model as configured."""
     base = load_config(source, **overrides)
-    probe = {**overrides, "csa_compress_ratios": PROBE_KINDS, "num_hidden_layers": len(PROBE_KINDS),
-             "moe_n_hash_layers": 0, "first_k_dense_replace": 0}
-    kinds = [k.value for k in kinds_of(load_config(source, **probe).model)]
+    layers, depths = base.model.num_hidden_layers, base.model.num_nextn_predict_layers
+    kinds = [k.value for k in kinds_of(load_config(source, **_probe(overrides)).model)]
     rows = []
     for name, policy in policies(base).items():
-        per_kind = model_bytes(_load(source, probe, policy), batch, seq, act)
-        total = sum(model_bytes(_load(source, overrides, policy), batch, seq, act).values())
-        rows.append([name, *(per_kind[i] for i in range(len(kinds))), total])
-    return ["policy", *kinds, "model"], rows
+        per_kind = model_bytes(_load(source, _probe(overrides), policy), batch, seq, act)
+        whole = model_bytes(_load(source, overrides, policy), batch, seq, act)
+        mtp = [sum(whole[layers + k] for k in range(depths)) // depths] if depths else []
+        rows.append([name, *(per_kind[i] for i in range(len(kinds))), *mtp, sum(whole.values())])
+    return ["policy", *kinds, *(["MTP depth"] if depths else []), "model"], rows
 
 
-def print_kind_table(header: list[str], rows: list[list], layers: int) -> None:
+def print_kind_table(header: list[str], rows: list[list], layers: int, depths: int = 0) -> None:
     none_total = rows[0][-1]
-    print("| " + " | ".join([header[0], *(f"{k} (GiB/layer)" for k in header[1:-1]),
-                            f"whole model, {layers} layers (GiB)", "vs none"]) + " |")
+    whole = f"whole model, {layers} layers" + (f" + {depths} MTP depth(s)" if depths else "")
+    print("| " + " | ".join([header[0], *(f"{k} (GiB/layer)" for k in header[1:-1]), f"{whole} (GiB)", "vs none"])
+          + " |")
     print("|---" * (len(header) + 1) + "|")
     for name, *cells, total in rows:
         print(f"| {name} | " + " | ".join(f"{c / GIB:,.2f}" for c in cells)
@@ -435,9 +501,7 @@ def print_kind_table(header: list[str], rows: list[list], layers: int) -> None:
 
 def print_terms(source: Any, overrides: dict, kind: str, batch: int, seq: int, act: str, top: int) -> None:
     """The largest storages one layer of ``kind`` keeps without recompute (name, dtype, elements, GiB)."""
-    probe = {**overrides, "csa_compress_ratios": PROBE_KINDS, "num_hidden_layers": len(PROBE_KINDS),
-             "moe_n_hash_layers": 0, "first_k_dense_replace": 0}
-    config = _load(source, probe, {"recompute_granularity": None})
+    config = _load(source, _probe(overrides), {"recompute_granularity": None})
     layer = [k.value for k in kinds_of(config.model)].index(kind)
     terms = sorted(layer_terms(config, layer, batch, seq, act).values(), key=lambda t: -t.numel * BYTES[t.dtype])
     print(f"| storage ({kind}, no recompute) | dtype | elements | GiB |\n|---|---|---|---|")
@@ -451,20 +515,6 @@ def _overrides(pairs: list[str]) -> dict:
     return {key: yaml.safe_load(value) for key, value in (p.split("=", 1) for p in pairs)}
 
 
-def unmodelled_off(source: Any, overrides: dict) -> tuple[dict, str]:
-    """``overrides`` plus what turns off the parts the formula does not price (the MTP layers, the CSA indexer KL
-    loss), and a note naming them ("" when the config has none)."""
-    model = load_config(source, **overrides).model
-    off, notes = dict(overrides), []
-    if model.num_nextn_predict_layers:
-        off.update(num_nextn_predict_layers=0, csa_compress_ratios=model.csa_compress_ratios[:model.num_hidden_layers])
-        notes.append(f"{model.num_nextn_predict_layers} MTP layer(s) excluded")
-    if model.dsa_indexer_loss_coeff > 0:
-        off["dsa_indexer_loss_coeff"] = 0.0
-        notes.append(f"CSA indexer KL loss (coeff {model.dsa_indexer_loss_coeff}) excluded")
-    return off, "; ".join(notes)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(FLASH))
@@ -475,14 +525,16 @@ def main() -> None:
     parser.add_argument("--terms", metavar="KIND", help="list the largest storages of one layer of KIND instead")
     parser.add_argument("--top", type=int, default=12)
     args = parser.parse_args()
-    overrides, note = unmodelled_off(args.config, _overrides(args.set))
-    if note:
-        print(f"not priced (not modelled yet): {note}\n")
+    overrides = _overrides(args.set)
     if args.terms:
         print_terms(args.config, overrides, args.terms, args.batch, args.seq, args.dtype, args.top)
         return
+    model = load_config(args.config, **overrides).model
+    if model.num_nextn_predict_layers or model.dsa_indexer_loss_coeff > 0:
+        print(f"priced: {model.num_nextn_predict_layers} MTP depth(s) (each with its layer, head and loss), the CSA "
+              f"indexer KL loss (coeff {model.dsa_indexer_loss_coeff:g}) in the CSA layers\n")
     header, rows = kind_table(args.config, overrides, args.batch, args.seq, args.dtype)
-    print_kind_table(header, rows, load_config(args.config, **overrides).model.num_hidden_layers)
+    print_kind_table(header, rows, model.num_hidden_layers, model.num_nextn_predict_layers)
     full = next(r for r in rows if r[0].startswith("full"))
     print(f"\nfull recompute keeps {full[-1] / rows[0][-1]:.1%} of the activations of no recompute (goal: <= 10 %)")
 

@@ -101,6 +101,10 @@ class Shapes:
     dense_F: int
     vocab: int
     idx_topk: int
+    idx_heads: int
+    idx_d: int
+    kl: bool  # the CSA indexer KL loss runs (dsa_indexer_loss_coeff > 0)
+    mtp: int  # MTP depths (num_nextn_predict_layers)
     vha: bool
     seq_aux: bool
     scoring: str
@@ -118,10 +122,6 @@ class Shapes:
         if any(kind is LayerKind.HYBRID_MLA for kind in kinds_of(m)):
             raise ValueError("recompute_formula does not model -2 (hybrid-MLA) layers yet (nor the dense causal "
                              "Triton mode only they run): set csa_compress_ratios without -2")
-        if m.num_nextn_predict_layers or m.dsa_indexer_loss_coeff > 0:
-            raise ValueError("recompute_formula does not model the MTP layers or the CSA indexer KL loss yet: set "
-                             "num_nextn_predict_layers: 0 and dsa_indexer_loss_coeff: 0.0 (main() prices a config "
-                             "without them, see unmodelled_off)")
         if config.parallel.context_parallel_size > 1:
             raise ValueError("recompute_formula models one rank holding whole sequences: context_parallel_size: 1 "
                              "(pass the per-rank length as the sequence length)")
@@ -130,7 +130,9 @@ class Shapes:
             q_lora=m.q_lora_rank, groups=m.o_groups, o_rank=m.o_lora_rank, n=m.num_residual_streams,
             iters=m.mhc_sinkhorn_iterations, E=moe.n_routed_experts, topk_experts=moe.num_experts_per_tok,
             ffn=moe.moe_intermediate_size, shared_F=moe.n_shared_experts * moe.moe_intermediate_size,
-            dense_F=moe.intermediate_size, vocab=m.vocab_size, idx_topk=m.dsa_index_topk, vha=m.use_vha_attention,
+            dense_F=moe.intermediate_size, vocab=m.vocab_size, idx_topk=m.dsa_index_topk, idx_heads=m.dsa_index_n_heads,
+            idx_d=m.dsa_index_head_dim, kl=m.dsa_indexer_loss_coeff > 0, mtp=m.num_nextn_predict_layers,
+            vha=m.use_vha_attention,
             seq_aux=moe.moe_router_load_balancing_type == "seq_aux_loss", scoring=moe.scoring_func,
             norm_topk=moe.norm_topk_prob, clamp=moe.swiglu_limit > 0, dense_csa=m.csa_dense_mode,
             fusion={"rope": f.apply_rope_fusion, "q_rms": f.dsv4_q_rms_norm_fusion, "sink": f.dsa_sink_grad_fusion,

@@ -7,7 +7,9 @@ cached tables excluded, a recomputed segment's inputs and replayed decisions ins
 agree byte for byte on CPU fp32 for every decoder layer (window, CSA, HCA, full-causal) and for the embedding /
 head / loss, at two sets of widths and shapes, for no recompute, full recompute (one layer and several layers per
 chunk, uniform and block) and each selective module; with the fusion switches of the DSv4-Flash YAML; with the
-Triton sparse-attention backend. A formula with a planted error (a term dropped, a Sinkhorn step missed) fails.
+Triton sparse-attention backend; with MTP depths (each counted apart, under its layer index after the backbone)
+and the CSA indexer KL loss on, for every policy. A formula with a planted error (a term dropped, a Sinkhorn step
+missed, one MTP or KL storage left out) fails.
 When a layer changes what it saves, this test fails until the formula follows.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -22,6 +25,8 @@ from helpers import tiny_model
 
 from fleet_ext.config import load_config
 from fleet_ext.layer_kinds import kinds_of
+from fleet_ext.models import DSv4ForCausalLM
+from fleet_ext.models.mtp import MultiTokenPredictionLayer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -71,13 +76,58 @@ POLICIES = {
 }
 
 
+class _DepthCharged(memory.SavedBytes):
+    """``SavedBytes`` whose latest instance ``_charging_mtp_depths`` points at each MTP depth in turn."""
+
+    latest: memory.SavedBytes | None = None
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        _DepthCharged.latest = self
+
+
+@contextmanager
+def _charging_mtp_depths(layers: int):
+    """Count what each MTP depth saves (its projections, decoder layer, head and loss) under its layer index
+    ``layers + depth - 1`` instead of the embedding / head / loss bucket (the counter hooks backbone layers only);
+    from the end of the MTP loss on (its auto-scaler, the main loss) the bucket is None again."""
+    originals = memory.SavedBytes, MultiTokenPredictionLayer.forward, DSv4ForCausalLM._mtp_loss
+
+    def depth_forward(self, *args, **kwargs):
+        if _DepthCharged.latest is not None:
+            _DepthCharged.latest.layer = layers + self.depth - 1
+        return originals[1](self, *args, **kwargs)
+
+    def mtp_loss(self, *args, **kwargs):
+        try:
+            return originals[2](self, *args, **kwargs)
+        finally:
+            if _DepthCharged.latest is not None:
+                _DepthCharged.latest.layer = None
+
+    _DepthCharged.latest = None
+    memory.SavedBytes, MultiTokenPredictionLayer.forward, DSv4ForCausalLM._mtp_loss = (
+        _DepthCharged, depth_forward, mtp_loss)
+    try:
+        yield
+    finally:
+        memory.SavedBytes, MultiTokenPredictionLayer.forward, DSv4ForCausalLM._mtp_loss = originals
+        _DepthCharged.latest = None
+
+
 def _compare(source, overrides: dict, batch: int, seq: int) -> tuple[dict, dict, list[str]]:
-    """(counted, formula) bytes per layer (None: embedding, head, loss) and the layer names for messages."""
+    """(counted, formula) bytes per layer, MTP depths after the backbone (None: embedding, head, loss) and the layer
+    names for messages."""
     config = load_config(source, **overrides)
-    counted: dict = {layer: 0 for layer in [*range(config.model.num_hidden_layers), None]}
-    for layer, nbytes, *_ in memory.saved_records(config, batch, seq):
+    layers = len(config.model.csa_compress_ratios)
+    counted: dict = {layer: 0 for layer in [*range(layers), None]}
+    with _charging_mtp_depths(config.model.num_hidden_layers):
+        records = memory.saved_records(config, batch, seq)
+    for layer, nbytes, *_ in records:
         counted[layer] += nbytes
-    names = [f"layer {i} ({kind.value})" for i, kind in enumerate(kinds_of(config.model))]
+    backbone = config.model.num_hidden_layers
+    names = [f"layer {i} ({kind.value})" if i < backbone else f"MTP depth {i - backbone + 1} ({kind.value})"
+             for i, kind in enumerate(kinds_of(config.model))]
     return counted, formula.model_bytes(config, batch, seq), names
 
 
@@ -102,15 +152,37 @@ def test_formula_equals_counted_bytes_at_other_widths(policy):
     _assert_equal(source, {**overrides, **POLICIES[policy]}, batch, seq)
 
 
+# MTP and the CSA indexer KL (both on in the DSv4-Flash YAML): one CSA MTP depth after the benchmark's layers (a
+# ragged tail: 66 // 4 entries), and two MTP depths (window, HCA) at the other widths, where layer 0 is CSA.
+MTP_KL = {"num_nextn_predict_layers": 1, "dsa_indexer_loss_coeff": 0.1}
+SHAPE_MTP = (TINY, {**SHAPE_A[1], **MTP_KL, "csa_compress_ratios": [0, 4, 128, -1, 4]}, 2, 66)
+SHAPE_MTP_B = (TINY, {**SHAPE_B[1], **MTP_KL, "num_nextn_predict_layers": 2,
+                      "csa_compress_ratios": [4, 0, 128, -1, 0, 128]}, 3, 257)
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_formula_with_mtp_and_the_indexer_kl(policy):
+    source, overrides, batch, seq = SHAPE_MTP
+    counted = _assert_equal(source, {**overrides, **POLICIES[policy]}, batch, seq)
+    assert counted[4] > counted[0], "the MTP depth is counted apart (its layer, head and loss)"
+
+
+@pytest.mark.parametrize("policy", ["none", "full_uniform_3", "selective_all"])
+def test_formula_with_two_mtp_depths_and_the_indexer_kl_at_other_widths(policy):
+    source, overrides, batch, seq = SHAPE_MTP_B
+    _assert_equal(source, {**overrides, **POLICIES[policy]}, batch, seq)
+
+
 # The Triton interpreter is slow on CPU: short sequences, with HCA compressing every 16 tokens to have entries.
 SHORT = {"hca_compress_ratio": 16}
 
 
-def test_formula_with_the_flash_yaml_fusion_switches():
+@pytest.mark.parametrize("extras", [{}, {**MTP_KL, "csa_compress_ratios": [0, 4, 128, -1, 4]}], ids=["", "mtp_kl"])
+def test_formula_with_the_flash_yaml_fusion_switches(extras):
     """Fused RoPE and q RMS norm, the sink-gradient fusion, the index remap kernel (Triton interpreter), the fused
-    MoE router and permute, no VHA."""
+    MoE router and permute, no VHA; with and without MTP and the indexer KL."""
     source, overrides, _, _ = SHAPE_A
-    _assert_equal(source, {**overrides, **SHORT, **FLASH_SWITCHES, **_selective("mhc", "moe_act")}, 2, 40)
+    _assert_equal(source, {**overrides, **SHORT, **FLASH_SWITCHES, **_selective("mhc", "moe_act"), **extras}, 2, 40)
 
 
 def test_formula_with_the_triton_sparse_attention_backend():
@@ -147,3 +219,19 @@ def test_a_planted_formula_error_is_caught(monkeypatch, target):
     counted, predicted, names = _compare(source, overrides, batch, seq)
     wrong = [names[layer] for layer in range(4) if predicted[layer] != counted[layer]]
     assert wrong == names, f"planted error in {target} went unnoticed in {sorted(set(names) - set(wrong))}"
+
+
+@pytest.mark.parametrize("term, policy, wrong", [
+    ("kl.valid", "none", [1, 4]),  # the KL's valid-slot mask, in every CSA layer (the MTP depth's too)
+    ("attn.loss_mask", "core_attn", [1, 4]),  # the core's extra input, kept only when the core is recomputed
+    ("mtp.ids_ahead", "none", [4]),  # the MTP embedding lookup's shifted ids
+    ("loss.labels", "full_uniform_1", [4]),  # the MTP cross-entropy's shifted labels
+])
+def test_a_planted_mtp_or_kl_error_is_caught(monkeypatch, term, policy, wrong):
+    """Negative control: leave one MTP / KL storage out of the formula; exactly the layers that keep it disagree."""
+    save = formula.Trace.save
+    monkeypatch.setattr(formula.Trace, "save", lambda tr, *tensors: save(
+        tr, *(t for t in tensors if t is None or t.name.split("#")[0] != term)))
+    source, overrides, batch, seq = SHAPE_MTP
+    counted, predicted, names = _compare(source, {**overrides, **POLICIES[policy]}, batch, seq)
+    assert [layer for layer in counted if predicted[layer] != counted[layer]] == wrong
