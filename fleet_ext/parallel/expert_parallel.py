@@ -47,7 +47,6 @@ __all__ = [
     "ExpertParallelGroup",
     "DispatchLayout",
     "build_expert_groups",
-    "exchange_counts",
     "gather_counts",
     "layout_of",
     "dispatch_rows",
@@ -155,12 +154,6 @@ class DispatchLayout:
         """Rows ``source`` sends to each of this rank's experts."""
         lo = self.rank * self.per_rank
         return self.counts[source, lo : lo + self.per_rank].tolist()
-
-
-def exchange_counts(counts: list[int], topk: int, epg: ExpertParallelGroup) -> DispatchLayout:
-    """Every member's per-expert row counts (one small all-gather; gloo: over the world, for the common pad)."""
-    mine = paddle.to_tensor(np.asarray(counts, dtype=np.int64))
-    return layout_of(gather_counts(mine, epg).numpy(), topk, epg)
 
 
 def gather_counts(counts: paddle.Tensor, epg: ExpertParallelGroup) -> paddle.Tensor:

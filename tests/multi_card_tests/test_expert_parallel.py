@@ -113,7 +113,13 @@ def _identity_case(routing: str, dispatcher: str, rank: int) -> dict:
     import paddle
 
     from fleet_ext.ops.moe_permute import reference
-    from fleet_ext.parallel.expert_parallel import build_expert_groups, combine_rows, dispatch_rows, exchange_counts
+    from fleet_ext.parallel.expert_parallel import (
+        build_expert_groups,
+        combine_rows,
+        dispatch_rows,
+        gather_counts,
+        layout_of,
+    )
 
     rng = np.random.default_rng(11 + rank)
     tokens = 9 + 4 * rank  # ranks hold different numbers of tokens
@@ -128,10 +134,11 @@ def _identity_case(routing: str, dispatcher: str, rank: int) -> dict:
     indices = paddle.to_tensor(idx.astype("int64"))
     epg = build_expert_groups(rank, EP, "gloo", EP, dispatcher)
     rows, _ = reference.permute(x, indices, E)
-    counts = paddle.bincount(indices.reshape([-1]), minlength=E).tolist()
-    layout = exchange_counts(counts, K, epg)
+    counts = paddle.bincount(indices.reshape([-1]), minlength=E).astype("int64")
+    layout = layout_of(gather_counts(counts, epg).numpy(), K, epg)  # the layer's path (MoELayer._read_host)
     back = combine_rows(dispatch_rows(rows, x, indices, layout, epg), layout, epg)
-    return {"identity": back.numpy().tobytes() == rows.numpy().tobytes(), "received": sum(layout.recv)}
+    return {"identity": back.numpy().tobytes() == rows.numpy().tobytes(), "received": sum(layout.recv),
+            "own_counts": layout.counts[epg.rank].tolist() == counts.tolist()}
 
 
 def _worker(output_dir: Path) -> None:
@@ -195,6 +202,7 @@ def test_dispatchers_give_the_same_bits(launched):
 def test_dispatch_then_combine_is_the_identity(launched, routing, dispatcher):
     for result in launched:
         assert result[f"identity_{routing}_{dispatcher}"]["identity"]
+        assert result[f"identity_{routing}_{dispatcher}"]["own_counts"]  # the gathered table, in member order
     if routing == "skewed":
         assert launched[1][f"identity_{routing}_{dispatcher}"]["received"] == 0
 

@@ -38,7 +38,7 @@ from fleet_ext.ops.launch import (
     strides_of,
 )
 from fleet_ext.ops.rope import kernel as rope_kernel
-from fleet_ext.ops.rope.kernel import _add_rn, _mul_rn, _sub_rn
+from fleet_ext.ops.rounding import _add_rn, _mul_rn, _sub_rn
 
 FAST_DTYPES = ("float32", "bfloat16", "float16")
 MAX_HEADS = 128  # one [h, h] tile of M and of the fp32 dM accumulator per program, in registers

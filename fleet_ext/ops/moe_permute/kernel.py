@@ -34,20 +34,10 @@ import triton
 import triton.language as tl
 
 from fleet_ext.ops.launch import detached, dtype_name, empty_like, launch, shape_of, strides_of
+from fleet_ext.ops.rounding import _mul_rn
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 INT_DTYPES = ("int32", "int64")
-
-
-@triton.jit
-def _mul_rn(a, b, USE_PTX: tl.constexpr):
-    """fp32 ``a * b`` rounded on its own (never fused with a following add)."""
-    if USE_PTX:
-        r = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True,
-                                      pack=1)
-    else:
-        r = a * b
-    return r
 
 
 @triton.jit

@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fleet_ext.ops.rope.kernel import _add_rn, _mul_rn, _plus_zero, _sub_rn
+from fleet_ext.ops.rounding import _add_rn, _mul_rn, _plus_zero, _sub_rn
 
 
 @triton.jit

@@ -41,54 +41,9 @@ from fleet_ext.ops.launch import (
     shape_of,
     strides_of,
 )
+from fleet_ext.ops.rounding import _add_rn, _mul_rn, _plus_zero, _sub_rn
 
 _FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
-
-
-@triton.jit
-def _mul_rn(a, b, USE_PTX: tl.constexpr):
-    """a * b rounded to fp32 on its own (never contracted into an FMA)."""
-    if USE_PTX:
-        r = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True,
-                                      pack=1)
-    else:
-        r = a * b
-    return r
-
-
-@triton.jit
-def _add_rn(a, b, USE_PTX: tl.constexpr):
-    if USE_PTX:
-        r = tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True,
-                                      pack=1)
-    else:
-        r = a + b
-    return r
-
-
-@triton.jit
-def _sub_rn(a, b, USE_PTX: tl.constexpr):
-    if USE_PTX:
-        r = tl.inline_asm_elementwise("sub.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True,
-                                      pack=1)
-    else:
-        r = a - b
-    return r
-
-
-@triton.jit
-def _plus_zero(v, USE_PTX: tl.constexpr):
-    """``v + 0.0`` in fp32 (fp64 for fp64): -0.0 -> +0.0, every other value unchanged (exact).
-
-    ``tl.full``, not ``tl.zeros_like``: the latter is a jit function of triton.language.standard, which the
-    interpreter cannot call when Triton was imported before TRITON_INTERPRET was set.
-    """
-    if v.dtype == tl.float64:
-        r = v + tl.full(v.shape, 0.0, tl.float64)
-    else:
-        w = v.to(tl.float32)
-        r = _add_rn(w, tl.full(w.shape, 0.0, tl.float32), USE_PTX)
-    return r
 
 
 @triton.jit
