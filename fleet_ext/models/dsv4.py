@@ -50,7 +50,11 @@ class DSv4ForCausalLM(FleetLayer):
             [build_layer(decoder_layer_spec(config, i, self.backend), config) for i in range(m.num_hidden_layers)]
         )
         # Full recompute: chunks of layers re-run in the backward; every other layer is its own chunk.
-        self._recompute_chunks = frozenset(recompute_plan(config).chunks)
+        plan = recompute_plan(config)
+        self._recompute_chunks = frozenset(plan.chunks)
+        # Under uniform full recompute each MTP depth is one more unit (as Megatron-core's MTP layers); ``block``
+        # names the first recompute_num_layers layers only, and the depths come after the backbone.
+        self._recompute_mtp = plan.granularity == "full" and config.recompute.recompute_method == "uniform"
         covered = {i for chunk in self._recompute_chunks for i in chunk}
         singles = [(i,) for i in range(m.num_hidden_layers) if i not in covered]
         self._layer_chunks = sorted([*self._recompute_chunks, *singles])
@@ -288,11 +292,15 @@ class DSv4ForCausalLM(FleetLayer):
         self, streams: paddle.Tensor, input_ids: paddle.Tensor, labels: paddle.Tensor, layout: SequenceLayout
     ) -> paddle.Tensor:
         """Mean over the MTP depths of each depth's mean token loss (``fleet_ext.models.mtp``); the detached value
-        is kept for the metrics (``mtp_loss``)."""
+        is kept for the metrics (``mtp_loss``). Under uniform full recompute each depth (projections, decoder layer,
+        its mHC head and norm) re-runs in the backward from its inputs, its routing and indexer picks replayed."""
         hidden, losses = streams, []
         for mtp in self.mtp_layers:
             ids_ahead = shifted(input_ids, mtp.depth)
-            hidden, normed = mtp(hidden, ids_ahead, self.word_embeddings, layout)
+            if self._recompute_mtp:  # keep the depth's inputs only; the shared LM head and the loss stay outside
+                hidden, normed = checkpointed(mtp, hidden, ids_ahead, self.word_embeddings, layout)
+            else:
+                hidden, normed = mtp(hidden, ids_ahead, self.word_embeddings, layout)
             labels_ahead = shifted(labels, mtp.depth, IGNORE_INDEX)
             losses.append(self._mean_token_loss(self._lm_head(normed), labels_ahead, layout))
         loss = paddle.add_n(losses) / len(losses)

@@ -16,8 +16,10 @@ the combine's four inputs), the fused experts (counts + gate/up), the fused inve
 mode (O and M). The storage machinery and the config widths live beside this file in ``recompute_trace.py``.
 
 The MTP depths are priced as their own kind, under their layer index after the backbone's (the projections, the
-decoder layer with its selective modules, the depth's mHC head, norm, LM-head input and cross-entropy); full
-recompute's chunks cover the backbone only, so under it an MTP depth keeps everything. The CSA indexer KL
+decoder layer with its selective modules, the depth's mHC head, norm, LM-head input and cross-entropy); under
+uniform full recompute each depth is one more recomputed unit (``models.dsv4._mtp_loss``): it keeps its inputs and
+replayed decisions, and the shared LM head's input and the loss outside it; ``block`` leaves the depths as they
+are. The CSA indexer KL
 (``dsa_indexer_loss_coeff > 0``) adds, per CSA layer, the indexer's scoring pass with gradient, the student at the
 picks and the KL's own saves, all inside the core attention (recomputed with it), plus the ``loss_mask`` input.
 
@@ -352,9 +354,13 @@ def decoder_layer(tr: Trace, sh: Shapes, att: Any, mlp_kind: str, modules: froze
     return tr.segment(mhc, lambda *a: hyper_combine(tr, sh, *a), streams, out, post, comb)
 
 
-def head(tr: Trace, sh: Shapes, streams: T, shifted_labels: bool = False) -> None:
-    """``HyperHead`` collapse, final norm, LM head and the mean cross-entropy (the "other" bucket; an MTP depth's
-    own head too, whose cross-entropy also keeps its labels, ``shifted`` copies rather than the loader's)."""
+def head(tr: Trace, sh: Shapes, streams: T) -> None:
+    """``HyperHead`` collapse, final norm, LM head and the mean cross-entropy (the "other" bucket)."""
+    lm_loss(tr, sh, head_input(tr, sh, streams))
+
+
+def head_input(tr: Trace, sh: Shapes, streams: T) -> T:
+    """``HyperHead`` collapse and final norm: the LM head's input (inside an MTP depth's recomputed unit)."""
     rows = sh.tokens
     if sh.fusion["mhc"]:  # ``mhc_head``: the ``_Pre`` PyLayer with n mix logits per token
         tr.save(streams, tr.new("head.mix", rows * sh.n, F32), tr.new("head.r", rows, F32))
@@ -364,7 +370,13 @@ def head(tr: Trace, sh: Shapes, streams: T, shifted_labels: bool = False) -> Non
         tr.save(tr.new("head.mix", rows * sh.n, F32), tr.new("head.sigmoid", rows * sh.n, F32))
         tr.save(tr.new("head.pre", rows * sh.n, F32), tr.cast(streams, F32, name="head.streams:fp32"))
         collapsed = tr.cast(tr.new("head.collapsed", rows * sh.D, F32), streams.dtype, name="head.collapsed")
-    hidden = rms_norm(tr, collapsed, rows)
+    return rms_norm(tr, collapsed, rows)
+
+
+def lm_loss(tr: Trace, sh: Shapes, hidden: T, shifted_labels: bool = False) -> None:
+    """The LM head's input and the mean cross-entropy; an MTP depth's also keeps its labels (``shifted`` copies
+    rather than the loader's)."""
+    rows = sh.tokens
     tr.save(hidden)
     if shifted_labels:
         tr.save(tr.new("loss.labels", rows, I64))
@@ -398,21 +410,31 @@ def layer_terms(config: Any, layer: int, batch: int, seq: int, act: str = F32) -
 
 def mtp_terms(config: Any, depth: int, batch: int, seq: int, act: str = F32) -> dict[str, T]:
     """The storages MTP depth ``depth`` keeps (``models.mtp.MultiTokenPredictionLayer`` and its loss): the embedding
-    lookup's shifted ids, ``enorm`` and ``e_proj``'s input, ``hnorm`` over the previous hidden streams (themselves
-    kept by the head before it, so not charged here) and ``h_proj``'s input, its decoder layer (layer index
-    ``num_hidden_layers + depth - 1``: its kind, MLP and selective modules; full recompute chunks only cover the
-    backbone), its own mHC head, final norm, the shared LM head's input and the cross-entropy with shifted labels."""
+    lookup's shifted ids, ``enorm`` and ``e_proj``'s input, ``hnorm`` over the previous hidden streams and
+    ``h_proj``'s input, its decoder layer (layer index ``num_hidden_layers + depth - 1``: its kind, MLP and selective
+    modules), its own mHC head and final norm, then the shared LM head's input and the cross-entropy with shifted
+    labels. Under uniform full recompute all but the LM head and the loss is one recomputed unit, keeping its inputs
+    (the hidden streams and the shifted ids) and its replayed decisions."""
     sh = Shapes.of(config, batch, seq)
     tr, rows, layer = Trace(act), sh.tokens, config.model.num_hidden_layers + depth - 1
-    hidden = T("mtp.hidden", rows * sh.n * sh.D, act)
-    tr.save(tr.new("mtp.ids_ahead", rows, I64))
-    tr.save(rms_norm(tr, tr.new("mtp.embedding", rows * sh.D, act), rows))  # e_proj(enorm(E[ids ahead]))
-    tr.save(rms_norm(tr, hidden, rows * sh.n))  # h_proj(hnorm(hidden))
-    streams = tr.new("mtp.streams", hidden.numel, act)  # h_proj + e_proj broadcast over the streams
-    out = decoder_layer(tr, sh, layer_attention(config.model, layer), mlp_kind(config, layer),
-                        recompute_plan(config).modules_of(layer), streams)
-    head(tr, sh, out, shifted_labels=True)
-    tr.saved.pop(hidden.name, None)
+    plan = recompute_plan(config)
+    full = plan.granularity == "full" and config.recompute.recompute_method == "uniform"
+    hidden, ids_ahead = T("mtp.hidden", rows * sh.n * sh.D, act), tr.new("mtp.ids_ahead", rows, I64)
+
+    def run(hidden: T, ids_ahead: T) -> T:
+        tr.save(ids_ahead)
+        tr.save(rms_norm(tr, tr.new("mtp.embedding", rows * sh.D, act), rows))  # e_proj(enorm(E[ids ahead]))
+        tr.save(rms_norm(tr, hidden, rows * sh.n))  # h_proj(hnorm(hidden))
+        streams = tr.new("mtp.streams", hidden.numel, act)  # h_proj + e_proj broadcast over the streams
+        out = decoder_layer(tr, sh, layer_attention(config.model, layer), mlp_kind(config, layer),
+                            plan.modules_of(layer), streams)
+        return head_input(tr, sh, out)
+
+    lm_loss(tr, sh, tr.segment(full, run, hidden, ids_ahead), shifted_labels=True)
+    # The hidden streams: not recomputed, hnorm saves what the head before already keeps (or, bf16 unfused, only an
+    # fp32 copy); recomputed, the unit keeps them unless the main model's head keeps them as they are (fused or fp32).
+    if not full or (depth == 1 and (sh.fusion["mhc"] or act == F32)):
+        tr.saved.pop(hidden.name, None)
     return tr.saved
 
 

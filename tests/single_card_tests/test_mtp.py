@@ -10,6 +10,8 @@
   (``mtp_layers.*``) bitwise; Hugging Face export writes them as the official ``mtp.<k>.*`` (transformers loads
   the directory and ignores them) and import reads them back.
 - Bad configs: MTP under context parallelism, a missing trailing ``csa_compress_ratios`` entry.
+- Uniform full recompute re-runs each depth as one unit, bitwise equal to no recompute (a depth planted to
+  compute differently when re-run must change the gradients; ``block`` leaves the depths alone).
 """
 
 from __future__ import annotations
@@ -211,3 +213,44 @@ def test_selective_recompute_reaches_the_mtp_layers_bitwise():
     assert sorted(runs[0][1]) == sorted(runs[1][1])
     for name, grad in runs[0][1].items():
         assert_bitwise(runs[1][1][name], grad, name)
+
+
+def _mtp_step(rerun_differs: bool, **keys) -> dict:
+    """Loss, MTP loss and every gradient of one step; ``rerun_differs`` plants a depth whose backward re-run (and
+    only it) reads its input streams scaled by 1.001."""
+    from fleet_ext.models.mtp import MultiTokenPredictionLayer
+    from fleet_ext.parallel.recompute import recording
+
+    original = MultiTokenPredictionLayer.forward
+
+    def planted(self, hidden, *args):
+        return original(self, hidden if recording() else hidden * 1.001, *args)
+
+    MultiTokenPredictionLayer.forward = planted if rerun_differs else original
+    try:
+        model = _model(**keys)
+        _, loss = model(*_batch())
+        loss.backward()
+    finally:
+        MultiTokenPredictionLayer.forward = original
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return {"loss": loss, "mtp_loss": model.mtp_loss, **grads}
+
+
+@pytest.mark.parametrize("method, rerun_differs", [("uniform", False), ("uniform", True), ("block", True)])
+def test_full_recompute_reruns_the_mtp_depths_bitwise(method, rerun_differs):
+    """Uniform full recompute runs each MTP depth (projections, decoder layer, its mHC head and norm; not the shared
+    LM head nor the loss) as one more recomputed unit, as Megatron-core's MTP layers: loss, MTP loss and every
+    gradient byte-equal to no recompute (CPU fp32). Planted: a depth that computes differently when re-run changes
+    the gradients under uniform (the depths really re-run) and not under block, which names the first
+    ``recompute_num_layers`` layers only (Megatron-core skips MTP there too)."""
+    want = _mtp_step(False)
+    got = _mtp_step(rerun_differs, recompute_granularity="full", recompute_method=method, recompute_num_layers=2)
+    assert sorted(got) == sorted(want) and any(k.startswith("mtp_layers.1.decoder.") for k in want)
+    differ = [k for k in want if not np.array_equal(got[k].numpy(), want[k].numpy())]
+    if method == "uniform" and rerun_differs:
+        assert differ and not {"loss", "mtp_loss"} & set(differ), differ  # only the backward sees the re-run
+        assert any(k.startswith("mtp_layers.0.") for k in differ), differ
+        return
+    for key in want:
+        assert_bitwise(got[key], want[key], key)

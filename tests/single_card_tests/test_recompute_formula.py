@@ -8,8 +8,9 @@ agree byte for byte on CPU fp32 for every decoder layer (window, CSA, HCA, full-
 head / loss, at two sets of widths and shapes, for no recompute, full recompute (one layer and several layers per
 chunk, uniform and block) and each selective module; with the fusion switches of the DSv4-Flash YAML; with the
 Triton sparse-attention backend; with MTP depths (each counted apart, under its layer index after the backbone)
-and the CSA indexer KL loss on, for every policy. A formula with a planted error (a term dropped, a Sinkhorn step
-missed, one MTP or KL storage left out) fails.
+and the CSA indexer KL loss on, for every policy (under uniform full recompute a depth keeps only its unit's inputs,
+its replayed decisions, the LM head's input and its loss: checked storage by storage). A formula with a planted
+error (a term dropped, a Sinkhorn step missed, one MTP or KL storage left out) fails.
 When a layer changes what it saves, this test fails until the formula follows.
 """
 
@@ -80,10 +81,17 @@ class _DepthCharged(memory.SavedBytes):
     """``SavedBytes`` whose latest instance ``_charging_mtp_depths`` points at each MTP depth in turn."""
 
     latest: memory.SavedBytes | None = None
+    backbone = 0  # num_hidden_layers: depth k is charged under layer backbone + k - 1
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         _DepthCharged.latest = self
+
+    def checkpointed(self, fn, *args):
+        """A depth recomputed as one unit (uniform full recompute) keeps its inputs: charge them to the depth."""
+        if isinstance(fn, MultiTokenPredictionLayer) and not self.paused:
+            self.layer = self.backbone + fn.depth - 1
+        return super().checkpointed(fn, *args)
 
 
 @contextmanager
@@ -105,7 +113,7 @@ def _charging_mtp_depths(layers: int):
             if _DepthCharged.latest is not None:
                 _DepthCharged.latest.layer = None
 
-    _DepthCharged.latest = None
+    _DepthCharged.latest, _DepthCharged.backbone = None, layers
     memory.SavedBytes, MultiTokenPredictionLayer.forward, DSv4ForCausalLM._mtp_loss = (
         _DepthCharged, depth_forward, mtp_loss)
     try:
@@ -235,3 +243,27 @@ def test_a_planted_mtp_or_kl_error_is_caught(monkeypatch, term, policy, wrong):
     source, overrides, batch, seq = SHAPE_MTP
     counted, predicted, names = _compare(source, {**overrides, **POLICIES[policy]}, batch, seq)
     assert [layer for layer in counted if predicted[layer] != counted[layer]] == wrong
+
+
+def test_a_recomputed_mtp_depth_keeps_its_inputs_its_decisions_and_its_loss_only():
+    """Uniform full recompute: each MTP depth keeps its unit's inputs (the shifted ids; from depth 2 on the previous
+    depth's streams, which that depth's recomputed head no longer keeps), the decisions its re-run replays (the CSA
+    indexer's picks, the routed experts) and, outside the unit, the shared LM head's input and its cross-entropy
+    (shifted labels, softmax, sum / count / mean): nothing of its projections, decoder layer or mHC head. Counted
+    storages, by dtype and shape (depth 1 CSA, depth 2 window)."""
+    source, overrides, batch, seq = SHAPE_MTP
+    config = load_config(source, **{**overrides, "num_nextn_predict_layers": 2, **POLICIES["full_uniform_1"],
+                                    "csa_compress_ratios": [0, 4, 128, -1, 4, 0]})
+    m, rows = config.model, batch * seq
+    with _charging_mtp_depths(m.num_hidden_layers):
+        records = memory.saved_records(config, batch, seq)
+    kept = {depth: sorted((dtype, shape) for layer, _, dtype, shape, _ in records if layer == 3 + depth)
+            for depth in (1, 2)}
+    k = config.moe.num_experts_per_tok
+    loss = [("float32", [batch, seq, m.hidden_size]), ("int64", [rows, 1]), ("float32", [rows, m.vocab_size]),
+            *[("float32", [])] * 3]
+    ids, experts = ("int64", [batch, seq]), ("int64", [rows, k])
+    picks = ("int32", [batch, seq, min(m.dsa_index_topk, seq // 4)])
+    streams = ("float32", [batch, seq, m.num_residual_streams, m.hidden_size])
+    assert kept[1] == sorted([ids, picks, experts, *loss]), kept[1]
+    assert kept[2] == sorted([streams, ids, experts, *loss]), kept[2]
