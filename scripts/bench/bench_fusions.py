@@ -1,8 +1,9 @@
 """Time every fusion on a GPU: unfused eager torch, torch.compile of it, the fused kernel.
 
 Run on the H200 (torch + Triton, no Paddle):  python scripts/bench/bench_fusions.py [--out DIR]
-Prints one table (last) and writes bench_fusions.json. Each case module beside this file
-(``cases_index_norm_sink.py``: KV index remap, q RMS norm, sink gradient; ``cases_rope_postmix.py``: RoPE and
+Prints the host cost per call of every fused op on tiny inputs (``bench_launch_overhead.py``'s table, skipped
+with ``--no-host``), then the main table (last), and writes bench_fusions.json with both. Each case module beside
+this file (``cases_index_norm_sink.py``: KV index remap, q RMS norm, sink gradient; ``cases_rope_postmix.py``: RoPE and
 inverse RoPE + VHA postmix; ``cases_qkv_prologue.py``: q/kv norm + RoPE in one pass) returns dicts with
 ``name``, ``shape``, ``eager``, ``fused``, ``bytes_moved`` and optionally ``flops`` and ``extra`` (more
 callables to time, e.g. the bare GEMM). Times are medians of ``triton.testing.do_bench``; bandwidth is
@@ -76,6 +77,8 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--modules", nargs="*", default=["cases_index_norm_sink", "cases_rope_postmix",
                                                          "cases_qkv_prologue"])
+    parser.add_argument("--no-host", action="store_true",
+                        help="skip the host cost per call (bench_launch_overhead.py's rows, in the same run)")
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
     copy_gbs = copy_bandwidth_gbs()
@@ -85,9 +88,18 @@ def main() -> None:
     for module in args.modules:
         for case in importlib.import_module(module).cases():
             rows.append(run_case(case, copy_gbs))
+            print(f"  {rows[-1]['name']}: fused {rows[-1]['fused_us']:.1f} us", flush=True)  # progress
             torch.cuda.empty_cache()
+    host = None
+    if not args.no_host:  # issue 16's host µs per call and tiny-shape device rows, from this same run
+        import bench_launch_overhead
+
+        host = bench_launch_overhead.measure()
     with open(os.path.join(args.out, "bench_fusions.json"), "w") as fh:
-        json.dump({"gpu": props.name, "copy_gbs": copy_gbs, "rows": rows}, fh, indent=1)
+        json.dump({"gpu": props.name, "copy_gbs": copy_gbs, "rows": rows,
+                   "host": None if host is None else {"baselines_us": host[0], "rows": host[1]}}, fh, indent=1)
+    if host is not None:
+        bench_launch_overhead.print_table(*host)
     header = f"{'case':34} {'eager us':>9} {'compile us':>10} {'fused us':>9} {'GB/s':>6} {'%copy':>6} " \
              f"{'x eager':>7} {'x compile':>9} {'peak MiB e/f':>14}"
     print(header)

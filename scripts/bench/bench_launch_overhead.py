@@ -243,24 +243,19 @@ def baselines() -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines")
-    parser.add_argument("--profile", action="store_true", help="also write a cProfile of each op (profile.txt)")
-    args = parser.parse_args()
+def measure(compile_on: bool = True, profile_dir: str | None = None) -> tuple[dict, list[dict]]:
+    """(baselines, one row per op) with the bound launch on; also used by bench_fusions.py (one run, every row)."""
     launch.BOUND_LAUNCH = True  # the library default; set again in case a caller turned it off
-    props = torch.cuda.get_device_properties(0)
-    print(f"{props.name}, torch {torch.__version__}, triton {triton.__version__}; tiny shapes: q [{B},{S},{H},{D}] "
-          f"bf16, pe {2 * HALF}, kv [{B},{S},{D}], remap [{B},{S},640] int32")
     base = baselines()
-    _BARE_X.append(torch.zeros(16, device="cuda"))
-    if args.profile:
-        with open(os.path.join(args.out, "profile.txt"), "w") as fh:
+    if not _BARE_X:
+        _BARE_X.append(torch.zeros(16, device="cuda"))
+    if profile_dir is not None:
+        with open(os.path.join(profile_dir, "profile.txt"), "w") as fh:
             fh.write("\n".join(profile_case(case) for case in cases()))
-    rows = [run_case(case, not args.no_compile) for case in cases()]
-    with open(os.path.join(args.out, "bench_launch_overhead.json"), "w") as fh:
-        json.dump({"gpu": props.name, "baselines_us": base, "rows": rows}, fh, indent=1)
+    return base, [run_case(case, compile_on) for case in cases()]
+
+
+def print_table(base: dict, rows: list[dict]) -> None:
     print(f"{'baseline':34} {'host us':>8}")
     for name, us in base.items():
         print(f"{name:34} {us:8.1f}")
@@ -273,6 +268,21 @@ def main() -> None:
               f"{r['host_sync_us']:6.1f} "
               f"{r['ratio']:6.2f} {str(r['same']):>5} {r['fused_dev_us']:6.1f} {r['eager_dev_us']:6.1f} {comp:>7} "
               f"{comp_host:>8}  host: {r['goal']}; device: {r.get('vs_compile', r.get('compile_error', 'n/a'))}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines")
+    parser.add_argument("--profile", action="store_true", help="also write a cProfile of each op (profile.txt)")
+    args = parser.parse_args()
+    props = torch.cuda.get_device_properties(0)
+    print(f"{props.name}, torch {torch.__version__}, triton {triton.__version__}; tiny shapes: q [{B},{S},{H},{D}] "
+          f"bf16, pe {2 * HALF}, kv [{B},{S},{D}], remap [{B},{S},640] int32")
+    base, rows = measure(not args.no_compile, args.out if args.profile else None)
+    with open(os.path.join(args.out, "bench_launch_overhead.json"), "w") as fh:
+        json.dump({"gpu": props.name, "baselines_us": base, "rows": rows}, fh, indent=1)
+    print_table(base, rows)
 
 
 if __name__ == "__main__":
