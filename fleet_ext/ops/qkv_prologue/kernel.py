@@ -10,7 +10,8 @@ Forward: the norm's output is rounded to the tensor dtype (the separate path sto
 + eps)`` (fp32, per row) is kept for the backward. Backward: the RoPE gradient of ``dy`` (the opposite
 rotation rounded to the dtype, every channel ``+ 0.0``: ``fleet_ext.ops.rope.kernel.rope_grad``) is formed
 in registers and fed to the norm's gradient (``fleet_ext.ops.q_rms_norm.kernel_bwd``, times the gain for kv);
-kv's gain gradient ``dw = sum over rows of g * (x * r)`` comes from the same launch (``kernel_bwd.py``).
+kv's gain gradient ``dw = sum over rows of g * (x * r)`` comes from the same launch (``kernel_bwd.py``), plus a
+small reduce launch on a GPU (below).
 
 **Orders.** The row sums follow an :class:`~fleet_ext.ops.q_rms_norm.kernel_order.Order`, as in the q norm:
 Paddle CPU's (sequential) in the interpreter, torch CUDA's on a GPU. On the CPU the rsqrt stays Paddle's

@@ -134,8 +134,9 @@ def config(tokens: int, heads: int, dim: int) -> dict:
     return dict(TOK=16, BLOCK_T=1, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=8)
 
 
-# One plan pair (partials launch, reduce launch) per layouts of the arguments: the checks and the configuration run
-# once per key (``fleet_ext.ops.launch``: host cost); a repeat call allocates its two buffers and launches.
+# One plan pair (partials launch, reduce launch; no reduce for a single token block) per layouts of the arguments:
+# the checks and the configuration run once per key (``fleet_ext.ops.launch``: host cost); a repeat call allocates
+# its buffers and launches.
 _PLANS = plan_cache("sink_grad")
 
 
