@@ -24,13 +24,14 @@ import math
 import pytest
 import torch
 from helpers import assert_bitwise, expect_launches
+from helpers.gpu import CUDA_ONLY
 from helpers.torch_rope import eager_rope
 
 from fleet_ext import capability
 
 capability.prepare_triton()  # a no-op on a GPU; keeps a CPU collection of this file from mis-building kernels
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA GPU tests (torch + Triton)")
+pytestmark = CUDA_ONLY
 DEV = "cuda"
 BF16 = torch.bfloat16
 

@@ -23,13 +23,14 @@ import pytest
 import torch
 from helpers import assert_bitwise, assert_close, expect_launches
 from helpers import oracles as orc
+from helpers.gpu import CUDA_ONLY
 from helpers.torch_rope import eager_rope
 
 from fleet_ext import capability
 
 capability.prepare_triton()  # a no-op on a GPU; keeps a CPU collection of this file from mis-building kernels
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA GPU tests (torch + Triton)")
+pytestmark = CUDA_ONLY
 DEVICE = "cuda"
 DTYPES = [torch.bfloat16, torch.float32]
 

@@ -11,15 +11,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers.gpu import CUDA_ONLY
 
 from fleet_ext import capability
 
 capability.prepare_triton()  # a no-op on a GPU; keeps a CPU collection of this file from mis-building kernels
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available(),
-    reason="CUDA-only kernel tests: they run on the H200 via the device tool (torch + Triton, no Paddle)",
-)
+pytestmark = CUDA_ONLY
 DEVICE = "cuda"
 SEQLEN_KV = 65536 + 512
 

@@ -30,6 +30,7 @@ import pytest
 import torch
 from helpers import assert_bitwise, assert_close, expect_launches, torch_mhc
 from helpers import oracles as orc
+from helpers.gpu import CUDA_ONLY
 
 from fleet_ext import capability
 
@@ -37,10 +38,7 @@ capability.prepare_triton()  # a no-op on a GPU; keeps a CPU collection of this 
 
 from fleet_ext.ops.mhc.kernel import GEOMETRY_VARIANTS  # noqa: E402  (plain data; kernels are built where they run)
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available(),
-    reason="CUDA-only kernel tests: they run on the H200 via the device tool (torch + Triton, no Paddle)",
-)
+pytestmark = CUDA_ONLY
 DEVICE = "cuda"
 ITERS, EPS, NORM_EPS = 20, 1e-6, 1e-6
 NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}

@@ -19,15 +19,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import assert_bitwise, assert_close
+from helpers.gpu import CUDA_ONLY
 
 from fleet_ext import capability
 
 capability.prepare_triton()  # a no-op on a GPU; keeps a CPU collection of this file from mis-building kernels
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available(),
-    reason="CUDA-only kernel tests: they run on the H200 via the device tool (torch + Triton, no Paddle)",
-)
+pytestmark = CUDA_ONLY
 DEVICE = "cuda"
 EAGER_SCORES = {"sqrtsoftplus": lambda x: torch.sqrt(F.softplus(x)), "sigmoid": torch.sigmoid,
                 "softmax": lambda x: torch.softmax(x, dim=-1)}

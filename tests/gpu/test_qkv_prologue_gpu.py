@@ -28,16 +28,14 @@ import pytest
 import torch
 from helpers import assert_bitwise, assert_close, expect_launches
 from helpers import oracles as orc
+from helpers.gpu import CUDA_ONLY
 from helpers.torch_rope import eager_rope
 
 from fleet_ext import capability
 
 capability.prepare_triton()  # a no-op on a GPU; keeps a CPU collection of this file from mis-building kernels
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available(),
-    reason="CUDA-only kernel tests: they run on the H200 via the device tool (torch + Triton, no Paddle)",
-)
+pytestmark = CUDA_ONLY
 DEVICE = "cuda"
 DTYPES = [torch.bfloat16, torch.float32]
 EPS = 1e-6

@@ -26,13 +26,14 @@ import pytest
 import torch
 import triton
 from helpers import assert_bitwise
+from helpers.gpu import CUDA_ONLY
 from helpers.torch_rope import eager_rope
 
 from fleet_ext import capability
 
 capability.prepare_triton()  # a no-op on a GPU; keeps a CPU collection of this file from mis-building kernels
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA GPU tests (torch + Triton)")
+pytestmark = CUDA_ONLY
 DEVICE = "cuda"
 DTYPES = [torch.bfloat16, torch.float32]
 

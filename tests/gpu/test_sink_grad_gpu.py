@@ -20,15 +20,13 @@ import pytest
 import torch
 from helpers import assert_bitwise, assert_close
 from helpers import oracles as orc
+from helpers.gpu import CUDA_ONLY
 
 from fleet_ext import capability
 
 capability.prepare_triton()  # a no-op on a GPU; keeps a CPU collection of this file from mis-building kernels
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available(),
-    reason="CUDA-only kernel tests: they run on the H200 via the device tool (torch + Triton, no Paddle)",
-)
+pytestmark = CUDA_ONLY
 DEVICE = "cuda"
 
 

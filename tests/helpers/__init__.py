@@ -6,7 +6,8 @@
 - ``configs``: the tiny model configurations;
 - ``oracles``: independent float64 NumPy oracles (``from helpers import oracles as orc``);
 - ``torch_rope``: the RoPE reference's op sequence in eager torch;
-- ``transfers``: ``HostTransfers``, counts host round trips (``from helpers.transfers import HostTransfers``).
+- ``transfers``: ``HostTransfers``, counts host round trips (``from helpers.transfers import HostTransfers``);
+- ``gpu``: ``CUDA_ONLY``, the skip of every ``tests/gpu`` module (imports torch; not imported here).
 
 Importable from every test directory (tests/conftest.py puts ``tests/`` on ``sys.path``); imports neither
 Paddle nor torch, so tests/gpu can use it on a machine without Paddle.
