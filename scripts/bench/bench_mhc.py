@@ -3,6 +3,7 @@
 Run on the H200 (torch + Triton, no Paddle), from the repository root:
 
     python scripts/bench/bench_mhc.py [--out DIR] [--no-sweep] [--pick] [--no-baselines] [--no-table] [--probe]
+        [--dx-probe]
     python scripts/bench/bench_mhc.py --warm-compile   # only compile the torch.compile baselines (fills the cache)
 
 Shape (issue 16 §3): T = 16384 tokens x n = 4 streams x D = 4096, bf16 streams, fp32 mHC parameters and maths,
@@ -55,7 +56,7 @@ capability.prepare_triton()
 import triton.language as tl  # noqa: E402
 
 from fleet_ext.ops.mhc import kernel  # noqa: E402
-from fleet_ext.ops.mhc.kernel_fwd import _bf16_pieces, _dot3  # noqa: E402
+from fleet_ext.ops.mhc.kernel_fwd import _bf16_pieces, _dot3, _dot_split  # noqa: E402
 
 
 def median_ms(fn, fast: bool = False) -> float:
@@ -329,6 +330,64 @@ def accumulation_probe() -> dict[str, float]:
     return out
 
 
+@triton.jit
+def _dx_probe(x_ptr, fn_ptr, g_ptr, pre_ptr, coef_ptr, dy_ptr, dx_ptr, part_ptr, T, TS, N: tl.constexpr,
+              D: tl.constexpr, NO: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, GX_MMA: tl.constexpr,
+              ACC_MMA: tl.constexpr):
+    """``kernel_bwd._mhc_dx_bwd`` at its defaults (bf16 pieces) with either product left out (GX_MMA: ``G @ fn``,
+    ACC_MMA: the split ``x^T G``): the same loads and stores, to isolate what the products cost."""
+    K: tl.constexpr = N * D
+    split = tl.program_id(1)
+    j = tl.program_id(0) % N
+    d = (tl.program_id(0) // N) * BD + tl.arange(0, BD)
+    k = j * D + d
+    c = tl.arange(0, NO)
+    w_hi, w_mid, _ = _bf16_pieces(tl.load(fn_ptr + c[:, None] * K + k[None, :]))
+    acc = tl.zeros([BD, NO], dtype=tl.float32)
+    for t0 in range(split * TS, split * TS + TS, BT):
+        t = t0 + tl.arange(0, BT).to(tl.int64)
+        g_ptrs = g_ptr + t[:, None] * NO + c[None, :]
+        x = tl.load(x_ptr + t[:, None] * K + k[None, :])
+        dy = tl.load(dy_ptr + t[:, None] * D + d[None, :]).to(tl.float32)
+        pre = tl.load(pre_ptr + t * N + j)
+        coef = tl.load(coef_ptr + t)
+        g_hi = tl.load(g_ptrs)
+        g_mid = tl.load(g_ptrs + T * NO)
+        g_lo = tl.load(g_ptrs + 2 * T * NO)
+        dx = pre[:, None] * dy + coef[:, None] * x.to(tl.float32)
+        if GX_MMA:
+            dx += _dot_split(g_hi, g_mid, g_lo, w_hi, w_mid, w_hi, 4)
+        else:
+            dx += (g_hi.to(tl.float32) + g_mid.to(tl.float32) + g_lo.to(tl.float32)).sum(axis=1)[:, None]
+        if ACC_MMA:
+            acc += _dot3(tl.trans(x.to(tl.bfloat16)), g_hi, g_mid, g_lo)
+        tl.store(dx_ptr + t[:, None] * K + k[None, :], dx.to(tl.bfloat16))
+    tl.store(part_ptr + (split.to(tl.int64) * NO + c[None, :]) * K + k[:, None], acc)
+
+
+def dx_probe(copy_gbs: float) -> dict[str, float]:
+    """``_dx_probe`` at the production shape and the dx defaults: µs per variant (do_bench median)."""
+    torch.manual_seed(0)
+    dev, bf16 = "cuda", torch.bfloat16
+    x, dy = torch.randn(T, N, D, device=dev).to(bf16), torch.randn(T, D, device=dev).to(bf16)
+    fn, g = 0.02 * torch.randn(32, N * D, device=dev), torch.randn(3, T, 32, device=dev).to(bf16)
+    pre, coef = torch.rand(T, N, device=dev), torch.randn(T, device=dev)
+    cfg = kernel.GPU_CONFIG["dx"]
+    per, splits = kernel._split(T, cfg["SPLITS"], cfg["BT"])
+    dx, part = torch.empty_like(x), torch.empty(splits, 32, N * D, device=dev)
+    nbytes = _kernel_bytes()["_mhc_dx_bwd"]
+    out = {}
+    for gx_mma, acc_mma in ((1, 1), (1, 0), (0, 1), (0, 0)):
+        def call(gx_mma=gx_mma, acc_mma=acc_mma):
+            _dx_probe[(N * D // cfg["BD"], splits)](x, fn, g, pre, coef, dy, dx, part, T, per, N=N, D=D, NO=32,
+                                                     BT=cfg["BT"], BD=cfg["BD"], GX_MMA=gx_mma, ACC_MMA=acc_mma,
+                                                     num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        label = f"dx probe: G @ fn {'on' if gx_mma else 'off'}, x^T G {'on' if acc_mma else 'off'}"
+        out[label] = us = 1e3 * median_ms(call, fast=True)
+        print(f"  {label}: {us:7.1f} us  {100 * nbytes / (us * 1e-6) / 1e9 / copy_gbs:5.1f} % of copy", flush=True)
+    return out
+
+
 def _print_row(r: dict) -> None:
     comp = "n/a" if r["compile_us"] is None else f"{r['compile_us']:.1f}"
     eager = "n/a" if r["eager_us"] is None else f"{r['eager_us']:.1f}"
@@ -356,6 +415,7 @@ def main() -> None:
     parser.add_argument("--no-table", action="store_true")
     parser.add_argument("--probe", action="store_true", help="the bf16x3 accumulation probe")
     parser.add_argument("--warm-compile", action="store_true", help="compile the baselines and exit")
+    parser.add_argument("--dx-probe", action="store_true", help="the streams' gradient with either product left out")
     args = parser.parse_args()
     if args.warm_compile:
         return warm_compile()
@@ -371,6 +431,8 @@ def main() -> None:
         print("bf16x3 projection at K = 16384 vs float64 (max |err| / max |ref|; bias): tensor-core accumulator "
               f"across tiles {probe['running_max_rel']:.2e}; {probe['running_bias_rel']:+.2e}, fresh per tile + "
               f"fp32 add {probe['fresh_max_rel']:.2e}; {probe['fresh_bias_rel']:+.2e}", flush=True)
+    if args.dx_probe:
+        result["dx_probe"] = dx_probe(copy_gbs)
     result["sweep"] = [] if args.no_sweep else sweep()
     for op, label, us, diff in sorted(result["sweep"], key=lambda r: (r[0], r[2])):
         print(f"  sweep {op:4} {us:8.1f} us  diff {diff:.1e}  {label}")
