@@ -11,7 +11,7 @@ row's causal bound, so no ``[S, N]`` table exists and key blocks past the bound 
 Backward (``causal_attn_bwd``), deterministic — no floating-point atomics, one fixed order for every sum, so
 the same inputs give byte-identical ``dq``, ``dkv``, ``d_sink`` run after run: ``delta`` and ``d_sink`` by
 the sparse family's preprocess; ``dq`` query-major; ``dkv`` key-major (each key block's fp32 gradient in
-registers, its queries in order, no pair buffers, no sort). For parallelism the queries may be cut into
+registers, its (query, head) rows in order, no pair buffers, no sort). For parallelism the rows may be cut into
 ``dkv_splits`` slices handled by separate programs, each writing an fp32 partial that one more launch sums in
 slice order. ``causal_probs`` gives the head-summed probabilities ``sum_h P[t, h, j]`` [T, n_cols] fp32 (the
 DSA indexer warm-up KL's target) without the [T, H, N] logits.
@@ -48,23 +48,25 @@ from fleet_ext.ops.sparse_attn.kernel_causal import (
 )
 from fleet_ext.ops.sparse_attn.kernel_config import launch_first_fitting
 
-# GPU launch configurations, most preferred first (later entries: devices with less shared memory). The
-# forward and dq start from the sparse family's measured choices (same loop, contiguous rows); the dkv
-# kernel keeps a [BLOCK_N, d_qk] fp32 accumulator in registers: 64 keys with 8 warps first. Not yet measured
-# on the H200 (scripts/bench/bench_sparse_attn.py --dense --variants times the alternatives).
+# GPU launch configurations, most preferred first (later entries: devices with less shared memory). Measured on
+# the H200 (benchmarks/RESULTS.md, "Dense causal mode", 2026-12-01 run 2): dq's 3-stage tile does not fit (out of
+# shared memory), so 2 stages first; dkv (64 keys, 8 warps): 16 (query, head) rows x 3 stages 37.4 ms at s 4096
+# H 128 against 40.1 for 32 rows x 2 stages (229,760 B of shared memory, the most that fits) and 42.4 for 32 x 1;
+# s 16384 H 64: 291 / 311 / 329 ms. Offline sm90 compile (Triton 3.6): 16 x 3 takes 186,752 B, no spills in the
+# loop, loads as 16-byte cp.async.
 GPU_CONFIGS = {
     "causal_fwd": [{"BLOCK_N": 64, "num_warps": 8, "num_stages": 2}, {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
                    {"BLOCK_N": 32, "num_warps": 8, "num_stages": 1}],
-    "causal_dq": [{"BLOCK_N": 32, "num_warps": 8, "num_stages": 3}, {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
-                  {"BLOCK_N": 16, "num_warps": 8, "num_stages": 1}],
-    "causal_dkv": [{"BLOCK_N": 64, "num_warps": 8, "num_stages": 2}, {"BLOCK_N": 64, "num_warps": 8, "num_stages": 1},
-                   {"BLOCK_N": 32, "num_warps": 8, "num_stages": 1}, {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}],
+    "causal_dq": [{"BLOCK_N": 32, "num_warps": 8, "num_stages": 2}, {"BLOCK_N": 16, "num_warps": 8, "num_stages": 1}],
+    "causal_dkv": [{"BLOCK_N": 64, "BLOCK_M": 16, "num_warps": 8, "num_stages": 3},
+                   {"BLOCK_N": 64, "BLOCK_M": 16, "num_warps": 8, "num_stages": 1}],
     "causal_probs": [{"BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
                      {"BLOCK_N": 32, "num_warps": 4, "num_stages": 1}],
 }
 INTERP_CONFIGS = {name: [{"BLOCK_N": 16}] for name in GPU_CONFIGS}
-MAX_DKV_SPLITS = 8
-QUERIES_PER_SPLIT = 512  # the default slices: one per 512 queries, at most MAX_DKV_SPLITS
+INTERP_CONFIGS["causal_dkv"] = [{"BLOCK_N": 16, "BLOCK_M": 16}]
+MAX_DKV_SPLITS = 16
+DKV_PROGRAMS = 528  # the default slices aim at about this many dkv programs (4 waves of the H200's 132 SMs)
 
 
 def _configs(name: str) -> list[dict]:
@@ -136,12 +138,14 @@ def causal_attn_fwd(q: Any, kv: Any, sink: Any, scale: float, seq: int, q_offset
     return out, lse
 
 
-def default_dkv_splits(seq: int, batch: int, n_keys: int, d_qk: int, max_partial_bytes: int) -> int:
-    """Query slices of the dkv pass: one per ``QUERIES_PER_SPLIT`` queries (at most ``MAX_DKV_SPLITS``), fewer
-    when the fp32 partials (``splits x B*N x d_qk x 4`` bytes) would pass ``max_partial_bytes``; 1 writes dkv
-    directly."""
+def default_dkv_splits(seq: int, batch: int, n_keys: int, d_qk: int, max_partial_bytes: int,
+                       block_n: int = 64) -> int:
+    """Row slices of the dkv pass: enough for about ``DKV_PROGRAMS`` programs over the ``B x N / block_n`` key
+    blocks (at most ``MAX_DKV_SPLITS``, at most ``seq``), fewer when the fp32 partials (``splits x B*N x d_qk x 4``
+    bytes) would pass ``max_partial_bytes``; 1 writes dkv directly."""
     by_memory = int(max_partial_bytes) // max(1, batch * n_keys * d_qk * 4)
-    return max(1, min(MAX_DKV_SPLITS, triton.cdiv(seq, QUERIES_PER_SPLIT), by_memory))
+    by_work = triton.cdiv(DKV_PROGRAMS, max(1, batch * triton.cdiv(n_keys, block_n)))
+    return max(1, min(MAX_DKV_SPLITS, by_work, int(seq), by_memory))
 
 
 def causal_attn_bwd(q: Any, kv: Any, sink: Any, scale: float, out: Any, lse: Any, d_out: Any, d_lse: Any = None,
@@ -150,7 +154,7 @@ def causal_attn_bwd(q: Any, kv: Any, sink: Any, scale: float, out: Any, lse: Any
     """Deterministic backward -> (dq like q, dkv like kv, d_sink [H] fp32).
 
     ``out``/``lse``: the forward's; ``d_out`` [B*S, H, d_v]; ``d_lse`` [B*S, H] fp32 or None (the gradient
-    reaching the LSE). ``dkv_splits``: query slices of the dkv pass (default ``default_dkv_splits``); any
+    reaching the LSE). ``dkv_splits``: row slices of the dkv pass (default ``default_dkv_splits``); any
     value gives byte-identical results run to run (not across values: the slices' sums are added in slice order).
     """
     fn = "causal_attn_bwd"
@@ -179,16 +183,15 @@ def causal_attn_bwd(q: Any, kv: Any, sink: Any, scale: float, out: Any, lse: Any
     splits = default_dkv_splits(seq, batch, n_keys, d_qk, max_partial_bytes) if dkv_splits is None else int(dkv_splits)
     if splits < 1:
         raise ValueError(f"{fn}: `dkv_splits` must be >= 1 (or None for the default), got {dkv_splits}")
-    q_slice = triton.cdiv(int(seq), splits)
     rows = batch * n_keys
     part = dkv if splits == 1 else empty_like(kv, [splits, max(rows, 1), d_qk], dtype=_framework_dtype(q, "float32"))
     if rows:
+        configs = [dict(c, SHIFT_LAST=int(seq) * heads >= c["BLOCK_M"]) for c in _configs("causal_dkv")]
         launch_first_fitting(
             "causal_dkv", _causal_bwd_dkv_kernel,
-            lambda m: (triton.cdiv(n_keys, m["BLOCK_N"]), splits, batch), key, _configs("causal_dkv"),
-            q, kv, d_out, lse, delta, part, heads, int(seq), n_keys, int(q_offset), scale2, float(scale), q_slice,
-            heads * d_qk, d_qk, d_qk, heads * d_v, d_v, rows * d_qk, d_qk,
-            N_HB=triton.cdiv(heads, block_h), **meta,
+            lambda m: (triton.cdiv(n_keys, m["BLOCK_N"]) * splits, batch), key, configs,
+            q, kv, d_out, lse, delta, part, heads, int(seq), n_keys, int(q_offset), scale2, float(scale), splits,
+            rows * d_qk, D_V=d_v, D_TAIL=d_qk - d_v, PREC=_prec(q),
         )
     if splits > 1 and rows:
         block = 1024 if not capability.detect().interpreter else 256

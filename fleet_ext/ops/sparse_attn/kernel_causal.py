@@ -8,9 +8,10 @@ so key blocks past it are never touched). The backward is deterministic without 
 
 - ``_causal_bwd_dq_kernel`` (query-major): recompute ``P`` and ``dS``, accumulate ``dq`` in registers;
 - ``_causal_bwd_dkv_kernel`` (key-major, FlashAttention-2 style): one program per (block of keys, slice of
-  the queries, sequence) holds the key block's fp32 gradient in registers and walks its queries in order
-  (each query's heads in blocks of ``BLOCK_H``): ``dkv += P^T dO + dS^T Q`` — one fixed summation order;
-- ``_causal_dkv_reduce_kernel``: when the queries are split over several programs (parallelism), sums the
+  the flat (query, head) rows, sequence) holds the key block's fp32 gradient in registers and walks its rows in
+  order, ``BLOCK_M`` at a time as the M dimension of the tiles (S^T and P^T computed keys-major, so they feed
+  the next product from registers): ``dkv += P^T dO + dS^T Q`` — one fixed summation order;
+- ``_causal_dkv_reduce_kernel``: when the rows are split over several programs (parallelism), sums the
   fp32 slices in slice order.
 ``_causal_probs_kernel`` gives the head-summed probabilities ``sum_h P[t, h, j]`` (the DSA indexer warm-up
 KL's target) without an [s, h, s] tensor. Launchers: ``causal.py``. Device code only: imports neither
@@ -172,63 +173,82 @@ def _causal_bwd_dq_kernel(
 
 
 # ------------------------------------------------------------------------------------------------------
-# Backward: dkv (key-major), one slice of the queries per program, fp32 accumulation in query order
+# Backward: dkv (key-major), one slice of the (query, head) rows per program, fp32 accumulation in row order
 # ------------------------------------------------------------------------------------------------------
 @triton.jit
 def _causal_bwd_dkv_kernel(
     Q, KV, DOUT, LSE, DELTA, DKV,
-    H, S, N, q_offset, qk_scale, scale, q_slice,
-    stride_qt, stride_qh, stride_kvn, stride_dot, stride_doh, stride_split, stride_dn,
-    D_V: tl.constexpr, D_TAIL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    N_HB: tl.constexpr, PREC: tl.constexpr,
+    H, S, N, q_offset, qk_scale, scale, splits, stride_split,
+    D_V: tl.constexpr, D_TAIL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+    SHIFT_LAST: tl.constexpr, PREC: tl.constexpr,
 ):
-    first_key = tl.program_id(0) * BLOCK_N
-    split = tl.program_id(1)
-    seq_b = tl.program_id(2).to(tl.int64)
-    offs_n = tl.arange(0, BLOCK_N)
+    """Program ``(kb * splits + split, b)``: keys ``kb * BLOCK_N + [0, BLOCK_N)`` of sequence ``b`` against slice
+    ``split`` of the flat (query, head) rows ``i * H + h`` that see the block's first key, ``BLOCK_M`` rows a step
+    (the rows of consecutive queries are contiguous in ``q`` / ``d_out``: the M dimension of every tile). dO and
+    the first ``D_V`` channels of q of a step are one interleaved [2 BLOCK_M, D_V] tile, so one product gives
+    dP^T and S^T and one gives ``P^T dO + dS^T q`` (a single accumulator chain; two chained dots on one fp32
+    [BLOCK_N, D_V] accumulator would take Triton's all-warps-along-M layout, see ``_unchain``). ``SHIFT_LAST``:
+    the last step of a slice moves back to end at the sequence's last row (rows before the step's start are
+    masked through lse / delta), so q and dO load without masks (16-byte vectors, pipelined copies)."""
+    D_QK: tl.constexpr = D_V + D_TAIL
+    kb = tl.program_id(0) // splits  # ascending key blocks: the most rows first (load balance)
+    split = tl.program_id(0) - kb * splits
+    seq_b = tl.program_id(1).to(tl.int64)
     offs_d = tl.arange(0, D_V)
-    offs_hb = tl.arange(0, BLOCK_H)
-    keys = first_key + offs_n
-    k_ok = keys < N
+    offs_m = tl.arange(0, BLOCK_M)
+    half = tl.arange(0, 2 * BLOCK_M) // 2
+    is_q = (tl.arange(0, 2 * BLOCK_M) % 2) == 1  # joint tile row 2m: dO of step row m, row 2m + 1: its q
+    keys = kb * BLOCK_N + tl.arange(0, BLOCK_N)
     k_read = keys < tl.minimum(N, q_offset + S)  # keys past the last query's position are never read
-    rows = (seq_b * N + keys).to(tl.int64)
-    kv = tl.load(KV + rows[:, None] * stride_kvn + offs_d[None, :], mask=k_read[:, None], other=0.0)
+    kv_rows = KV + (seq_b * N + keys).to(tl.int64)[:, None] * D_QK
+    kv = tl.load(kv_rows + offs_d[None, :], mask=k_read[:, None], other=0.0)
     acc = tl.zeros([BLOCK_N, D_V], dtype=tl.float32)
     if D_TAIL > 0:
         offs_e = D_V + tl.arange(0, D_TAIL)
-        kv_e = tl.load(KV + rows[:, None] * stride_kvn + offs_e[None, :], mask=k_read[:, None], other=0.0)
+        kv_e = tl.load(kv_rows + offs_e[None, :], mask=k_read[:, None], other=0.0)
         acc_e = tl.zeros([BLOCK_N, D_TAIL], dtype=tl.float32)
-    # queries of this slice that see at least the block's first key (position q_offset + i >= first_key)
-    lo = tl.maximum(tl.maximum(first_key - q_offset, 0), split * q_slice)
-    hi = tl.minimum(S, (split + 1) * q_slice)
+    # rows (of this sequence) whose query sees the block's first key, cut into `splits` slices of whole steps
+    row_lo = tl.maximum(kb * BLOCK_N - q_offset, 0) * H
+    chunk = tl.cdiv(tl.cdiv(tl.maximum(S * H - row_lo, 0), splits), BLOCK_M) * BLOCK_M
+    lo = row_lo + split * chunk
+    hi = tl.minimum(lo + chunk, S * H)
     live = hi >= 0
-    for step in range(lo * N_HB, hi * N_HB):
-        i = step // N_HB
-        offs_h = (step - i * N_HB) * BLOCK_H + offs_hb
-        h_ok = offs_h < H
-        t = seq_b * S + i
-        q_rows = Q + t * stride_qt + offs_h[:, None] * stride_qh
-        q = tl.load(q_rows + offs_d[None, :], mask=h_ok[:, None], other=0.0)
-        do = tl.load(DOUT + t * stride_dot + offs_h[:, None] * stride_doh + offs_d[None, :], mask=h_ok[:, None],
-                     other=0.0)
-        lse2 = tl.load(LSE + t * H + offs_h, mask=h_ok, other=float("inf")) * LOG2E
-        delta = tl.load(DELTA + t * H + offs_h, mask=h_ok, other=0.0)
-        if D_TAIL > 0:
-            q_e = tl.load(q_rows + offs_e[None, :], mask=h_ok[:, None], other=0.0)
-            s = _unchain(tl.dot(q_e, tl.trans(kv_e), input_precision=PREC), live)
-            s = tl.dot(q, tl.trans(kv), s, input_precision=PREC)
+    base = seq_b * S * H
+    for r0 in range(lo, hi, BLOCK_M):
+        r_start = r0
+        if SHIFT_LAST:
+            r_start = tl.minimum(r0, S * H - BLOCK_M)
+        rows = r_start + offs_m
+        r_ok = (rows >= r0) & (rows < hi)
+        grow = base + rows
+        g2 = base + r_start + half
+        ptr2 = tl.where(is_q, Q + g2 * D_QK, DOUT + g2 * D_V)[:, None] + offs_d[None, :]
+        if SHIFT_LAST:
+            x2 = tl.load(ptr2)
         else:
-            s = tl.dot(q, tl.trans(kv), input_precision=PREC)
-        seen = keys <= q_offset + i
-        p = tl.where(seen[None, :], tl.math.exp2(s * qk_scale - lse2[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(kv), input_precision=PREC)
-        ds = _unchain((p * (dp - delta[:, None]) * scale).to(kv.dtype), live)
-        acc = tl.dot(tl.trans(p.to(kv.dtype)), do, acc, input_precision=PREC)
-        acc = tl.dot(tl.trans(ds), q, acc, input_precision=PREC)
+            x2 = tl.load(ptr2, mask=(r_start + half < hi)[:, None], other=0.0)
         if D_TAIL > 0:
-            acc_e = tl.dot(tl.trans(ds), q_e, acc_e, input_precision=PREC)
+            q_e_ptr = (Q + grow * D_QK)[:, None] + offs_e[None, :]
+            if SHIFT_LAST:
+                q_e = tl.load(q_e_ptr)
+            else:
+                q_e = tl.load(q_e_ptr, mask=r_ok[:, None], other=0.0)
+        # padded / foreign rows: lse = +inf -> P = 0, delta = 0 -> dS = 0 (exact)
+        lse2 = tl.load(LSE + grow, mask=r_ok, other=float("inf")) * LOG2E
+        delta = tl.load(DELTA + grow, mask=r_ok, other=0.0)
+        dpt, st = tl.split(tl.reshape(tl.dot(kv, tl.trans(x2), input_precision=PREC), [BLOCK_N, BLOCK_M, 2]))
+        if D_TAIL > 0:
+            st = st + _unchain(tl.dot(kv_e, tl.trans(q_e), input_precision=PREC), live)
+        seen = keys[:, None] <= q_offset + rows[None, :] // H
+        pt = tl.where(seen, tl.math.exp2(st * qk_scale - lse2[None, :]), 0.0)
+        dst = (pt * (dpt - delta[None, :]) * scale).to(kv.dtype)
+        a2 = _unchain(tl.reshape(tl.join(pt.to(kv.dtype), dst), [BLOCK_N, 2 * BLOCK_M]), live)
+        acc = tl.dot(a2, x2, acc, input_precision=PREC)
+        if D_TAIL > 0:
+            acc_e = tl.dot(_unchain(dst, live), q_e, acc_e, input_precision=PREC)
 
-    out_rows = DKV + split.to(tl.int64) * stride_split + rows[:, None] * stride_dn
+    out_rows = DKV + split.to(tl.int64) * stride_split + (seq_b * N + keys).to(tl.int64)[:, None] * D_QK
+    k_ok = keys < N
     tl.store(out_rows + offs_d[None, :], acc.to(DKV.dtype.element_ty), mask=k_ok[:, None])
     if D_TAIL > 0:
         tl.store(out_rows + offs_e[None, :], acc_e.to(DKV.dtype.element_ty), mask=k_ok[:, None])
