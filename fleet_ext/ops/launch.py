@@ -31,7 +31,9 @@ done once (issue 16 §4):
   the tensors' 16-byte alignment (the one other thing Triton specialises a pointer on) and the device can
   change, and a repeat call can go straight to the compiled kernel's launcher (``BOUND_LAUNCH``; the first call
   of each (device, alignment) still goes through ``kernel[grid]``, which compiles). Nothing here reads the
-  device back, so the launches can be captured in a CUDA graph.
+  device back, so the launches can be captured in a CUDA graph;
+- there, CUDA tensors' addresses go to Triton's C launcher as ints (:meth:`Bound.fire`: no per-pointer query), and
+  outputs shaped like a contiguous input come from ``torch.empty_like`` (:func:`empty_same`: no shape to parse).
 """
 
 from __future__ import annotations
@@ -95,6 +97,8 @@ def torch_view(tensor: Any) -> Any:
 
 def empty_like(tensor: Any, shape: Sequence[int] | None = None, dtype: Any = None) -> Any:
     """A new uninitialised contiguous tensor in the framework/device of ``tensor``."""
+    if _PADDLE_TYPES.get(type(tensor)) is False:  # a torch tensor seen before: no further checks
+        return tensor.new_empty(tensor.shape if shape is None else shape, dtype=dtype or tensor.dtype)
     if is_paddle(tensor):
         import paddle
 
@@ -102,6 +106,23 @@ def empty_like(tensor: Any, shape: Sequence[int] | None = None, dtype: Any = Non
                             device=tensor.place)
     # torch: new_empty keeps the device (and the dtype unless given) and is contiguous, as torch.empty
     return tensor.new_empty(tensor.shape if shape is None else shape, dtype=dtype or tensor.dtype)
+
+
+def empty_same(tensor: Any, standard: bool) -> Any:
+    """A new uninitialised contiguous tensor of ``tensor``'s shape and dtype (:func:`empty_like` without a shape).
+
+    ``standard``: the caller's plan found ``tensor``'s strides to be exactly the contiguous ones
+    (:func:`is_standard`); then a torch tensor's copy comes from ``torch.empty_like``, which keeps those strides
+    and parses no shape: the cheapest allocation torch has (``new_empty(tensor.shape)`` parses the ``torch.Size``
+    per call: 2.4x the host time on the development CPU). Anything else takes :func:`empty_like`."""
+    if standard and _PADDLE_TYPES.get(type(tensor)) is False:
+        return (_EMPTY_LIKE or _torch_accessors() and _EMPTY_LIKE)[0](tensor)
+    return empty_like(tensor)
+
+
+def is_standard(tensor: Any) -> bool:
+    """``tensor``'s element strides are exactly those of a new contiguous tensor of its shape (a plan-time check)."""
+    return strides_of(tensor) == contiguous_strides(shape_of(tensor))
 
 
 def layout_key(tensor: Any) -> tuple:
@@ -130,17 +151,18 @@ class Plan:
     """One launch fixed for one key: ``grid``, the ``scalars`` after the tensor arguments, the constexprs and
     options (``meta``), the compiled kernels it resolved to (``bound``), and what else the op needs (``info``).
 
-    ``grid`` None: nothing to launch (an empty tensor)."""
+    ``grid`` None: nothing to launch (an empty tensor). ``standard``: see :func:`empty_same`."""
 
-    __slots__ = ("grid", "scalars", "meta", "bound", "info")
+    __slots__ = ("grid", "scalars", "meta", "bound", "info", "standard")
 
     def __init__(self, grid: tuple[int, ...] | None, scalars: Sequence[Any] = (), meta: dict | None = None,
-                 info: Any = None) -> None:
+                 info: Any = None, standard: bool = False) -> None:
         self.grid = None if grid is None else tuple(int(g) for g in grid)
         self.scalars = tuple(scalars)
         self.meta = dict(meta or {})
         self.bound = Bound()
         self.info = info
+        self.standard = standard  # the op's main input has the contiguous strides (outputs like it: empty_same)
 
 
 class PlanCache(dict):
@@ -338,16 +360,30 @@ class TritonRuntime:
             TritonRuntime._knobs = knobs.runtime
         runtime = self._knobs
         enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
-        if _empty_hook(enter) and _empty_hook(leave):
-            return None, None
-        return enter, leave
-
-
-def _empty_hook(hook: Any) -> bool:
-    return hook is None or getattr(hook, "calls", None) == []
+        # a HookChain is live when its list has calls; a hook set by hand (a plain callable) always is
+        if getattr(enter, "calls", enter) or getattr(leave, "calls", leave):
+            return enter, leave
+        return None, None
 
 
 TRITON_RUNTIME = TritonRuntime()
+_NO_HOOKS = (None, None)
+_TORCH = capability.ROUTE_TORCH
+# torch.Tensor's is_cuda getter and data_ptr (the int fast path's per-tensor reads, as unbound C methods) and
+# torch.empty_like (empty_same): looked up on first use, as this module imports no framework
+_IS_CUDA: Any = None
+_DATA_PTR: Any = None
+_EMPTY_LIKE: list[Any] = []
+
+
+def _torch_accessors() -> bool:
+    global _IS_CUDA, _DATA_PTR
+    if _DATA_PTR is None:
+        import torch
+
+        _IS_CUDA, _DATA_PTR = torch.Tensor.is_cuda.__get__, torch.Tensor.data_ptr
+        _EMPTY_LIKE.append(torch.empty_like)
+    return True
 
 
 class Bound:
@@ -364,7 +400,7 @@ class Bound:
     constexprs are already known): one alignment mask, one dict lookup, the device's stream, the launcher.
     """
 
-    __slots__ = ("tail", "slots", "compiled", "misses", "ready", "name", "grid3", "rest")
+    __slots__ = ("tail", "slots", "compiled", "misses", "ready", "name", "grid3", "rest", "pointers")
 
     def __init__(self) -> None:
         self.tail: tuple | None = None  # the constexprs after the positional arguments, in parameter order
@@ -375,6 +411,7 @@ class Bound:
         self.name = ""  # the kernel's name (launch counter)
         self.grid3: tuple[int, int, int] = (1, 1, 1)
         self.rest: tuple | None = None  # the plan's scalars then ``tail``: what follows the tensors in fire
+        self.pointers = False  # every tensor fire passes is a pointer argument (the int fast path applies)
 
     def launch(self, kernel: Any, grid: Sequence[int], args: Sequence[Any], meta: dict) -> None:
         if self.tail is None:
@@ -393,10 +430,42 @@ class Bound:
 
     def fire(self, tensors: Sequence[Any], scalars: Sequence[Any]) -> bool:
         """Launch on ``tensors`` (then the plan's ``scalars``) straight through the compiled kernel; False when
-        this device and alignment have no compiled kernel yet (the caller takes :func:`launch`)."""
+        this device and alignment have no compiled kernel yet (the caller takes :func:`launch`).
+
+        The common case (every tensor a CUDA tensor, no hooks, no scratch buffers) reads each data pointer once,
+        for the alignment and for the launcher: the C launcher takes an int as the address itself, where for a
+        tensor it would call ``data_ptr()`` again and ask the driver whether the address is a device one
+        (``cuPointerGetAttribute``, per pointer and launch). ``is_cuda`` stands in for that check: anything else
+        (a CPU tensor with a bound plan's layout) takes the tensors as they are, so Triton raises as it did."""
         rest = self.rest
         if rest is None:
             rest = self.rest = (*scalars, *self.tail)
+            self.pointers = self.slots == tuple(range(len(tensors))) and _torch_accessors()
+        if self.pointers:
+            try:
+                ptrs = tuple(map(_DATA_PTR, tensors))
+                on_gpu = all(map(_IS_CUDA, tensors))
+            except TypeError:  # not torch tensors
+                on_gpu = False
+            if on_gpu:
+                mask = 0
+                for ptr in ptrs:
+                    if ptr & 15:  # some pointer off 16 bytes: the mask of which (as _key)
+                        mask = sum(1 << i for i, p in enumerate(ptrs) if p & 15)
+                        break
+                runtime = TRITON_RUNTIME
+                driver = runtime.driver()
+                device = driver.get_current_device()
+                entry = self.compiled.get((device, mask))
+                if not entry:
+                    return False
+                direct = entry.direct
+                if direct is not None and runtime.hooks() == _NO_HOOKS:
+                    raw, function, cooperative, pdl, packed = direct
+                    g = self.grid3
+                    raw(g[0], g[1], g[2], driver.get_current_stream(device), function, cooperative, pdl, None, None,
+                        packed, None, None, None, *ptrs, *rest)
+                    return True
         return self._send(tensors, (*tensors, *rest))
 
     def _key(self, driver: Any, args: Sequence[Any]) -> tuple[int, int]:
@@ -514,12 +583,13 @@ def fire(kernel: Any, plan: Plan, *tensors: Any) -> None:
     current capability, the launch goes straight to the compiled kernel (:meth:`Bound.fire`); anything else (the
     first call, another route, the interpreter, a new device or alignment) goes through :func:`launch`.
     """
-    if plan.grid is None:
-        return
     bound = plan.bound
-    if bound.ready is not None and BOUND_LAUNCH and bound.ready is capability.detect():
+    ready = bound.ready  # None until the plan launched once on the torch route (never for an empty grid)
+    if ready is not None and ready is capability.detect() and BOUND_LAUNCH:
         if bound.fire(tensors, plan.scalars):
             LAUNCH_COUNTS[bound.name] += 1
-            ROUTE_COUNTS[capability.ROUTE_TORCH] += 1
+            ROUTE_COUNTS[_TORCH] += 1
             return
+    if plan.grid is None:
+        return
     launch(kernel, plan.grid, *tensors, *plan.scalars, bound=bound, **plan.meta)

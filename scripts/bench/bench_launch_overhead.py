@@ -10,7 +10,9 @@ them: five alternating rounds of the op and the bare launch, median of each (the
 ``--profile`` also writes where each op's host time goes (cProfile, profile.txt). Rows:
 
 - torch eager add and a bare Triton launch of a trivial kernel (3 arguments): the baselines of the same run;
-  a bare launch of a 24-argument kernel shows what Triton's own ``kernel[grid]`` costs per argument;
+  a bare launch of a 24-argument kernel shows what Triton's own ``kernel[grid]`` costs per argument; that
+  kernel's C launcher called directly with its two pointers as tensors and as ints shows what the launcher's
+  per-pointer check costs (the bound launch passes ints);
 - each fused op with its plan cached and the bound launch (``fleet_ext.ops.launch.BOUND_LAUNCH``, the default),
   and with the bound launch off (the plan cached, Triton's ``kernel[grid]`` path): the ratio to the bare
   launch and the goal (≤ 1.3x, met/missed) use the default; "same" says both give byte-identical outputs;
@@ -232,6 +234,24 @@ def run_case(case: dict, compile_on: bool) -> dict:
     return row
 
 
+def c_launcher_us(x: torch.Tensor, y: torch.Tensor, wide_args: list[int]) -> dict:
+    """Triton's C launcher of the compiled 24-argument kernel called directly, its two pointers given as tensors
+    (it calls ``data_ptr()`` and asks the driver about each) or as ints (the bound launch's fast path): what one
+    pointer costs the launcher. Empty where this Triton's compiled kernel lacks the attributes."""
+    compiled = _bare_wide_kernel[(1,)](x, y, *wide_args, BLOCK=16)
+    raw = getattr(compiled.run, "launch", None)
+    if not callable(raw) or getattr(compiled.run, "global_scratch_size", 1):
+        return {}
+    stream = torch.cuda.current_stream().cuda_stream
+    head = (1, 1, 1, stream, compiled.function, compiled.run.launch_cooperative_grid, compiled.run.launch_pdl, None,
+            None, compiled.packed_metadata, None, None, None)
+    px, py = x.data_ptr(), y.data_ptr()
+    return {
+        "C launcher, 2 pointers as tensors": host_us(lambda: raw(*head, x, y, *wide_args, 16)),
+        "C launcher, 2 pointers as ints": host_us(lambda: raw(*head, px, py, *wide_args, 16)),
+    }
+
+
 def baselines() -> dict:
     a, b = torch.randn(16, device="cuda"), torch.randn(16, device="cuda")
     x, y = torch.zeros(16, device="cuda"), torch.zeros(16, device="cuda")
@@ -240,6 +260,7 @@ def baselines() -> dict:
         "torch eager add": host_us(lambda: a + b),
         "bare Triton launch": host_us(lambda: _bare_kernel[(1,)](x, 16, BLOCK=16)),
         "bare Triton launch, 24 args": host_us(lambda: _bare_wide_kernel[(1,)](x, y, *wide_args, BLOCK=16)),
+        **c_launcher_us(x, y, wide_args),
     }
 
 

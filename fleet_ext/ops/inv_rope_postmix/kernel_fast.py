@@ -31,7 +31,9 @@ from fleet_ext.ops.launch import (
     contiguous_strides,
     dtype_name,
     empty_like,
+    empty_same,
     fire,
+    is_standard,
     layout_key,
     plan_cache,
     shape_of,
@@ -306,14 +308,14 @@ def _prepare_fwd(key: tuple, out: Any, cos: Any, sin: Any, mix: Any, meta: dict[
     meta = meta or plan(b * s, h, d, backward=False, fp32=dtype_name(out) == "float32")
     scalars, consts = _common(out, cos, mix, meta)
     strides = [*strides_of(out), *contiguous_strides([b, s, h, d]), *strides_of(mix), *_tables(out, cos, sin)]
-    return _FWD_PLANS.add(key, Plan(_grid(out, meta), [*scalars, *strides], consts))
+    return _FWD_PLANS.add(key, Plan(_grid(out, meta), [*scalars, *strides], consts, standard=is_standard(out)))
 
 
 def forward(out: Any, cos: Any, sin: Any, mix: Any, meta: dict[str, int] | None = None) -> Any:
     """``mix @ inv_rope(out)`` [b, s, h, d] in one pass; ``mix`` [h, h] any float dtype (rounded to out's)."""
     key = (layout_key(out), layout_key(cos), layout_key(sin), layout_key(mix), _meta_key(meta), rope_kernel.USE_PTX)
     fwd = _FWD_PLANS.get(key) or _prepare_fwd(key, out, cos, sin, mix, meta)
-    y = empty_like(out)
+    y = empty_same(out, fwd.standard)
     fire(_postmix_fast_fwd_kernel, fwd, out, mix, y, cos, sin)
     return y
 
@@ -338,7 +340,7 @@ def _prepare_bwd(key: tuple, out: Any, cos: Any, sin: Any, mix: Any, grad: Any, 
     dx_strides = contiguous_strides([b, s, h, d]) if need_out else strides_of(out)
     strides = [*strides_of(out), *strides_of(grad), *dx_strides, *strides_of(mix), *_tables(out, cos, sin)]
     return _BWD_PLANS.add(key, Plan(grid, [*scalars, *strides], dict(consts, NEED_DX=need_out, NEED_DM=need_mix),
-                                    (n_part, h, reduce)))
+                                    (n_part, h, reduce), is_standard(out)))
 
 
 def backward(out: Any, cos: Any, sin: Any, mix: Any, grad: Any, need_out: bool = True, need_mix: bool = True,
@@ -349,11 +351,11 @@ def backward(out: Any, cos: Any, sin: Any, mix: Any, grad: Any, need_out: bool =
            _meta_key(meta), rope_kernel.USE_PTX)
     bwd = _BWD_PLANS.get(key) or _prepare_bwd(key, out, cos, sin, mix, grad, need_out, need_mix, meta)
     n_part, h, reduce = bwd.info
-    d_out = empty_like(out) if need_out else None
-    d_mix = empty_like(mix, shape=[h, h]) if need_mix else None
+    d_out = empty_same(out, bwd.standard) if need_out else None
+    d_mix = empty_like(mix, shape=(h, h)) if need_mix else None
     if not (need_out or need_mix):
         return d_out, d_mix
-    partials = empty_like(cos, shape=[max(1, n_part), h, h])  # fp32, cos's framework and device
+    partials = empty_like(cos, shape=(max(1, n_part), h, h))  # fp32, cos's framework and device
     dx = d_out if need_out else out  # never written when NEED_DX is off
     fire(_postmix_fast_bwd_kernel, bwd, out, grad, mix, dx, partials, cos, sin)
     if reduce is not None:

@@ -73,8 +73,10 @@ from fleet_ext.ops.launch import (
     Plan,
     dtype_name,
     empty_like,
+    empty_same,
     fire,
     is_paddle,
+    is_standard,
     layout_key,
     plan_cache,
     shape_of,
@@ -189,7 +191,7 @@ def _prepare_fwd(key: tuple, q: Any, r: Any, phase: int, order: Order | None, ep
     if phase == PHASE_APPLY and (shape_of(r) != [b, s, h, 1] or dtype_name(r) != "float32"):
         raise ValueError(f"q_rms_norm: `r` must be float32 [{b}, {s}, {h}, 1], got {dtype_name(r)} {shape_of(r)}")
     order = paddle_cpu_order() if phase == PHASE_APPLY else (order or default_order(q))
-    info = ([b, s, h, 1], _float32_of(q))
+    info = ((b, s, h, 1), _float32_of(q))
     rows = b * s * h
     if rows == 0 or d == 0:
         return _FWD_PLANS.add(key, Plan(None, info=info))
@@ -199,7 +201,7 @@ def _prepare_fwd(key: tuple, q: Any, r: Any, phase: int, order: Order | None, ep
     meta = dict(D=d, PHASE=phase, FLAVOR=order.flavor, DOWNCAST=dtype_name(q) != "float32",
                 FLAT_ROWS=step is not None, enable_fp_fusion=False, **cfg)
     scalars = (rows, s, h, s_b, s_s, s_h if step is None else step, s_d, float(order.mean_factor), float(eps))
-    return _FWD_PLANS.add(key, Plan((triton.cdiv(rows, cfg["BLOCK_R"]),), scalars, meta, info))
+    return _FWD_PLANS.add(key, Plan((triton.cdiv(rows, cfg["BLOCK_R"]),), scalars, meta, info, is_standard(q)))
 
 
 def _fwd_plan(q: Any, r: Any, phase: int, order: Order | None, eps: float) -> Plan:
@@ -222,7 +224,7 @@ def q_rms_norm_stats(q: Any, order: Order | None = None) -> Any:
 def q_rms_norm_apply(q: Any, r: Any) -> Any:
     """``q * r`` (r fp32 [b, s, h, 1], contiguous) rounded to q's dtype, as a new contiguous tensor."""
     plan = _fwd_plan(q, r, PHASE_APPLY, None, 0.0)
-    y = empty_like(q)
+    y = empty_same(q, plan.standard)
     _fwd(plan, q, y, _contiguous(r))
     return y
 
@@ -230,7 +232,7 @@ def q_rms_norm_apply(q: Any, r: Any) -> Any:
 def q_rms_norm_fused(q: Any, eps: float, order: Order | None = None) -> tuple[Any, Any]:
     """One kernel: ``(y, r)`` with ``r = rsqrt(mean(q^2) + eps)`` fp32 [b, s, h, 1] and ``y = q * r``."""
     plan = _fwd_plan(q, None, PHASE_FUSED, order, eps)
-    y = empty_like(q)
+    y = empty_same(q, plan.standard)
     r = empty_like(q, shape=plan.info[0], dtype=plan.info[1])
     _fwd(plan, q, y, r)
     return y, r
@@ -259,14 +261,14 @@ def _prepare_bwd(key: tuple, dy: Any, q: Any, r: Any, order: Order | None) -> Pl
     meta = dict(D=d, FLAVOR=order.flavor, DOWNCAST=dtype_name(q) != "float32", FLAT_ROWS=flat,
                 enable_fp_fusion=False, **cfg)
     scalars = (rows, s, h, *x_strides, *g_strides, float(order.inv_d))
-    return _BWD_PLANS.add(key, Plan((triton.cdiv(rows, cfg["BLOCK_R"]),), scalars, meta))
+    return _BWD_PLANS.add(key, Plan((triton.cdiv(rows, cfg["BLOCK_R"]),), scalars, meta, standard=is_standard(q)))
 
 
 def q_rms_norm_bwd(dy: Any, q: Any, r: Any, order: Order | None = None) -> Any:
     """The gradient for ``q`` given ``dy`` (like q, any strides) and the forward's ``r``; a new contiguous tensor."""
     key = (layout_key(dy), layout_key(q), layout_key(r), order, _tuning())
     plan = _BWD_PLANS.get(key) or _prepare_bwd(key, dy, q, r, order)
-    dx = empty_like(q)
+    dx = empty_same(q, plan.standard)
     if plan.grid is not None:
         fire(_q_rms_norm_bwd_kernel, plan, q, dy, _contiguous(r), dx)
     return dx

@@ -37,13 +37,16 @@ from fleet_ext.ops.launch import (
     Plan,
     dtype_name,
     empty_like,
+    empty_same,
     fire,
+    is_standard,
     layout_key,
     plan_cache,
     shape_of,
     strides_of,
 )
 from fleet_ext.ops.q_rms_norm import kernel as q_kernel
+from fleet_ext.ops.q_rms_norm import kernel_order
 from fleet_ext.ops.q_rms_norm.kernel_order import Order, paddle_cpu_order, torch_cuda_order
 from fleet_ext.ops.qkv_prologue.kernel_bwd import _dw_reduce_kernel, _norm_rope_bwd_kernel
 from fleet_ext.ops.qkv_prologue.kernel_fwd import _norm_rope_fwd_kernel
@@ -146,6 +149,14 @@ def _tuning() -> tuple:
             q_kernel._tuning(), is_interpreted())
 
 
+def _fwd_tuning() -> tuple:
+    """What a forward plan depends on beyond its arguments: the part of :func:`_tuning` the forward reads (the
+    key is built per call, so the backward's knobs stay out of it)."""
+    return (tuple(TUNE.items()) if TUNE else (), GEOMETRY["q_fwd"], GEOMETRY["kv_fwd"], q_kernel.STREAM,
+            q_kernel.MAX_TILES, kernel_order.TORCH_VEC_MIN_D, kernel_order.TORCH_WARP_HALVING, is_interpreted(),
+            rope_kernel.USE_PTX)
+
+
 def _prepare_fwd(key: tuple, x: Any, r: Any, cos: Any, sin: Any, weight: Any, phase: int, eps: float,
                  order: Order | None) -> Plan:
     """Check (the same checks, order and messages as an uncached call) and plan the forward launch.
@@ -157,7 +168,7 @@ def _prepare_fwd(key: tuple, x: Any, r: Any, cos: Any, sin: Any, weight: Any, ph
     shape, strides = _geometry(x)
     b, s, h, d = shape
     rows = b * s * h
-    info = (_rows_shape(x), q_kernel._float32_of(x))
+    info = (tuple(_rows_shape(x)), q_kernel._float32_of(x))
     if rows == 0 or d == 0:
         return _FWD_PLANS.add(key, Plan(None, info=info))
     cfg = _config(d, order, phase, backward=False, kv=weight is not None)
@@ -168,17 +179,17 @@ def _prepare_fwd(key: tuple, x: Any, r: Any, cos: Any, sin: Any, weight: Any, ph
                 DOWNCAST=dtype_name(x) != "float32", FLAT_ROWS=step is not None, USE_PTX=rope_kernel.USE_PTX,
                 enable_fp_fusion=False, **cfg)
     scalars = (rows, s, h, *strides, *_tables(cos, sin, b), float(order.mean_factor), float(eps))
-    return _FWD_PLANS.add(key, Plan((triton.cdiv(rows, cfg["BLOCK_R"]),), scalars, meta, info))
+    return _FWD_PLANS.add(key, Plan((triton.cdiv(rows, cfg["BLOCK_R"]),), scalars, meta, info, is_standard(x)))
 
 
 def _forward_plan(x: Any, r: Any, cos: Any, sin: Any, weight: Any, phase: int, eps: float,
                   order: Order | None) -> Plan:
-    key = (layout_key(x), _key(r), layout_key(cos), layout_key(sin), _key(weight), phase, eps, order, _tuning())
+    key = (layout_key(x), _key(r), layout_key(cos), layout_key(sin), _key(weight), phase, eps, order, _fwd_tuning())
     return _FWD_PLANS.get(key) or _prepare_fwd(key, x, r, cos, sin, weight, phase, eps, order)
 
 
 def _forward(plan: Plan, x: Any, r: Any, cos: Any, sin: Any, weight: Any) -> Any:
-    y = empty_like(x)
+    y = empty_same(x, plan.standard)
     fire(_norm_rope_fwd_kernel, plan, x, y, r, weight if weight is not None else x, cos, sin)
     return y
 
@@ -201,9 +212,13 @@ def norm_rope_apply(x: Any, r: Any, cos: Any, sin: Any, weight: Any = None) -> A
 def norm_rope_fused(x: Any, eps: float, cos: Any, sin: Any, weight: Any = None,
                     order: Order | None = None) -> tuple[Any, Any]:
     """One launch: ``(y, r)`` with ``r = rsqrt(mean(x^2) + eps)`` summed in ``order`` and ``y = rope(norm(x))``."""
-    plan = _forward_plan(x, None, cos, sin, weight, PHASE_FUSED, eps, order)
+    key = (layout_key(x), None, layout_key(cos), layout_key(sin), None if weight is None else layout_key(weight),
+           PHASE_FUSED, eps, order, _fwd_tuning())  # _forward_plan's key, inlined: the hot path of a tiny input
+    plan = _FWD_PLANS.get(key) or _prepare_fwd(key, x, None, cos, sin, weight, PHASE_FUSED, eps, order)
     r = empty_like(x, shape=plan.info[0], dtype=plan.info[1])
-    return _forward(plan, x, r, cos, sin, weight), r
+    y = empty_same(x, plan.standard)
+    fire(_norm_rope_fwd_kernel, plan, x, y, r, weight if weight is not None else x, cos, sin)
+    return y, r
 
 
 def _dw_plan(rows: int, d: int) -> tuple[int, int, int, int]:
@@ -253,7 +268,7 @@ def _prepare_bwd(key: tuple, dy: Any, x: Any, r: Any, cos: Any, sin: Any, weight
                 BLOCK_C=block_c, DW_ROWS=dw_rows, DW_FUSED=fused, enable_fp_fusion=False, **cfg)
     scalars = (rows, seg_rows, n_dw, s, h, *x_strides, *g_strides, *_tables(cos, sin, b), float(order.inv_d))
     reduce = _reduce_plan(n_seg, d, fused, block_c) if n_seg > 1 else None
-    return _BWD_PLANS.add(key, Plan(grid, scalars, meta, (d, fp32, n_seg, reduce)))
+    return _BWD_PLANS.add(key, Plan(grid, scalars, meta, (d, fp32, n_seg, reduce), is_standard(x)))
 
 
 def _dw_fused(d: int, order: Order, cfg: dict) -> bool:
@@ -283,8 +298,8 @@ def norm_rope_bwd(dy: Any, x: Any, r: Any, cos: Any, sin: Any, weight: Any = Non
            _tuning())
     plan = _BWD_PLANS.get(key) or _prepare_bwd(key, dy, x, r, cos, sin, weight, order)
     d, fp32, n_seg, reduce = plan.info
-    dx = empty_like(x)
-    dw = empty_like(x, shape=[d], dtype=fp32) if weight is not None else None
+    dx = empty_same(x, plan.standard)
+    dw = empty_like(x, shape=(d,), dtype=fp32) if weight is not None else None
     if plan.grid is None:
         if dw is not None:
             dw.zero_()  # a sum over no rows

@@ -35,7 +35,9 @@ from fleet_ext.ops.launch import (
     contiguous_strides,
     dtype_name,
     empty_like,
+    empty_same,
     fire,
+    is_standard,
     layout_key,
     plan_cache,
     shape_of,
@@ -213,7 +215,8 @@ def _prepare(key: tuple, x: Any, cos: Any, sin: Any, fn: str, start: int, invers
                 INVERSE=bool(inverse) != (fn == _GRAD), ZERO_FIX=fn == _GRAD,
                 DOWNCAST=dtype_name(x) in ("bfloat16", "float16"), USE_PTX=USE_PTX, num_warps=4)
     scalars = (total, s, h, *x_strides, *o_strides, *_table_strides(cos, b), *_table_strides(sin, b))
-    return _PLANS.add(key, Plan((triton.cdiv(total, blocks["BLOCK_M"]),), scalars, meta, info=out_shape))
+    standard = shift == 0 and out_shape is not None and is_standard(x)  # the output takes x's shape and strides
+    return _PLANS.add(key, Plan((triton.cdiv(total, blocks["BLOCK_M"]),), scalars, meta, out_shape, standard))
 
 
 def _planned(x: Any, cos: Any, sin: Any, fn: str, start: int, inverse: bool) -> Plan:
@@ -236,7 +239,7 @@ def check_cached(x: Any, cos: Any, sin: Any, fn: str = _ROPE) -> None:
 def rope(x: Any, cos: Any, sin: Any, inverse: bool = False) -> Any:
     """Out of place: a new contiguous tensor like ``x`` with its trailing rd channels rotated."""
     plan = _planned(x, cos, sin, _ROPE, 0, inverse)
-    out = empty_like(x, plan.info)
+    out = empty_same(x, plan.standard)
     _run(plan, x, out, cos, sin)
     return out
 
@@ -244,7 +247,7 @@ def rope(x: Any, cos: Any, sin: Any, inverse: bool = False) -> Any:
 def rope_grad(grad: Any, cos: Any, sin: Any, inverse: bool = False) -> Any:
     """The gradient of :func:`rope` (``inverse`` as in the forward): the opposite rotation, -0.0 -> +0.0."""
     plan = _planned(grad, cos, sin, _GRAD, 0, inverse)
-    out = empty_like(grad, plan.info)
+    out = empty_same(grad, plan.standard)
     _run(plan, grad, out, cos, sin)
     return out
 

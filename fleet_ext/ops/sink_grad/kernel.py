@@ -26,7 +26,9 @@ from fleet_ext.ops.launch import (
     Plan,
     dtype_name,
     empty_like,
+    empty_same,
     fire,
+    is_standard,
     layout_key,
     plan_cache,
     shape_of,
@@ -153,7 +155,7 @@ def _prepare(key: tuple, d_out: Any, out: Any, lse: Any, sink: Any, d_lse: Any) 
     cfg = config(tokens, heads, dim)
     n_part = max(1, triton.cdiv(tokens, cfg["TOK"]))
     if heads == 0:
-        return _PLANS.add(key, Plan(None, info=([n_part, heads], None)))
+        return _PLANS.add(key, Plan(None, info=((n_part, heads), None)))
     has_do = out is not None
     do_s = strides_of(d_out) if has_do else [0, 0, 0, 0]
     o_s = strides_of(out) if has_do else [0, 0, 0, 0]
@@ -161,8 +163,8 @@ def _prepare(key: tuple, d_out: Any, out: Any, lse: Any, sink: Any, d_lse: Any) 
     meta = dict(D=dim, TOK=cfg["TOK"], BLOCK_T=cfg["BLOCK_T"], BLOCK_H=cfg["BLOCK_H"], BLOCK_D=cfg["BLOCK_D"],
                 HAS_DO=has_do, HAS_DLSE=d_lse is not None, num_warps=cfg["num_warps"])
     partial = Plan((n_part, triton.cdiv(heads, cfg["BLOCK_H"])),
-                   (tokens, seq, heads, *do_s, *o_s, *strides_of(lse), *dl_s), meta)
-    partial.info = ([n_part, heads], _prepare_reduce(n_part, heads) if n_part > 1 else None)
+                   (tokens, seq, heads, *do_s, *o_s, *strides_of(lse), *dl_s), meta, standard=is_standard(sink))
+    partial.info = ((n_part, heads), _prepare_reduce(n_part, heads) if n_part > 1 else None)
     return _PLANS.add(key, partial)
 
 
@@ -179,7 +181,7 @@ def sink_grad(d_out: Any, out: Any, lse: Any, sink: Any, d_lse: Any = None) -> A
     key = (_key(d_out), _key(out), _key(lse), _key(sink), _key(d_lse), is_interpreted())
     plan = _PLANS.get(key) or _prepare(key, d_out, out, lse, sink, d_lse)
     part_shape, reduce = plan.info
-    d_sink = empty_like(sink)
+    d_sink = empty_same(sink, plan.standard)
     if plan.grid is None:
         return d_sink
     # one token block: its partial row is d_sink itself (the reduce would add +0.0 to it: the same bits, as a
