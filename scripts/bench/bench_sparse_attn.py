@@ -54,7 +54,8 @@ import triton
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # repo root, for fleet_ext
 
-from fleet_ext.ops.sparse_attn import kernel  # noqa: E402
+from fleet_ext.ops import launch  # noqa: E402
+from fleet_ext.ops.sparse_attn import kernel, kernel_config  # noqa: E402
 
 DEV = "cuda"
 ANCHORS = {"flashmla_fwd_h800": 640.0, "tilelang_fwd_h800": 600.0, "tilelang_bwd_h200": 115.0}
@@ -337,10 +338,24 @@ def bench_shape(shape: dict, args, rows: list) -> None:
     def fwd(**kw):
         return kernel.sparse_attn_fwd(q, kv, idx, sink, scale, d_v=d_v, **kw)
 
+    before = launch.LAUNCH_COUNTS["_sparse_attn_fwd_ws_kernel"]
     out, lse = fwd()
+    row["fwd_kernel"] = "gluon_ws" if launch.LAUNCH_COUNTS["_sparse_attn_fwd_ws_kernel"] > before else "triton"
     row["fwd_ms"] = median_ms(fwd)
     row["fwd_tflops"] = fl["fwd"] / row["fwd_ms"] / 1e9
     row["ns_per_pair_fwd"] = row["fwd_ms"] * 1e6 / pairs
+    if row["fwd_kernel"] != "triton":  # the Triton forward on the same inputs, same run
+        kernel_config.FWD_KERNEL = "triton"
+        try:
+            out_t, lse_t = fwd()
+            row["fwd_triton_ms"] = median_ms(fwd)
+        finally:
+            kernel_config.FWD_KERNEL = "auto"
+        row["fwd_triton_tflops"] = fl["fwd"] / row["fwd_triton_ms"] / 1e9
+        row["fwd_vs_triton_out_rel"] = float((out.float() - out_t.float()).norm() / out_t.float().norm())
+        finite = torch.isfinite(lse_t)
+        row["fwd_vs_triton_lse_maxabs"] = float((lse - lse_t)[finite].abs().max())
+        del out_t, lse_t
 
     def bwd(**kw):
         return kernel.sparse_attn_bwd(q, kv, idx, sink, scale, out, lse, d_out, d_v=d_v, **kw)
@@ -425,7 +440,7 @@ def main() -> None:
                        "anchors": ANCHORS, "rows": rows, "dense_rows": dense_rows}, f, indent=1, default=str)
 
     print("\nshape             K     valid  fwd ms  fwd TF/s  bwd ms   bwd TF/s  bitwise  eager fwd TF/s"
-          "  flex fwd TF/s")
+          "  flex fwd TF/s  fwd kernel  triton fwd TF/s  vs triton out rel")
     for r in rows:
         if "error" in r:
             print(f"{r['shape']:16s} ERROR {r['error'][-120:]!r}")
@@ -433,7 +448,9 @@ def main() -> None:
         eager = f"{r['eager_fwd_tflops']:.0f}" if "eager_fwd_tflops" in r else "-"
         flex = f"{r['flex_fwd_tflops']:.0f}" if "flex_fwd_tflops" in r else ("fail" if "flex" in r else "-")
         print(f"{r['shape']:16s} {r['K']:5d} {r['valid_frac']:6.3f} {r['fwd_ms']:7.3f} {r['fwd_tflops']:8.0f} "
-              f"{r['bwd_ms']:8.2f} {r['bwd_tflops']:9.0f}  {str(r['bwd_bitwise_repeat']):7s} {eager:>14s} {flex:>14s}")
+              f"{r['bwd_ms']:8.2f} {r['bwd_tflops']:9.0f}  {str(r['bwd_bitwise_repeat']):7s} {eager:>14s} {flex:>14s}"
+              f"  {r['fwd_kernel']:10s} {r.get('fwd_triton_tflops', float('nan')):15.0f}"
+              f"  {r.get('fwd_vs_triton_out_rel', float('nan')):.2e}")
     if args.compare:
         print("\n[compare] ms (TFLOP/s over valid pairs); nobound = derive_bound=False; old = dq bn32s2 + partial "
               "bm64w4 defaults, no bound")

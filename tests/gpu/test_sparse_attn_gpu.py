@@ -34,7 +34,9 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (the Triton kernels are tested on CPU by "
                 "tests/single_card_tests/test_sparse_attn_triton.py)", allow_module_level=True)
 
-from fleet_ext.ops.sparse_attn import kernel  # noqa: E402
+from fleet_ext import capability  # noqa: E402
+from fleet_ext.ops import launch  # noqa: E402
+from fleet_ext.ops.sparse_attn import kernel, kernel_config  # noqa: E402
 
 TOL = {"out": tolerance("bf16", "sparse_attn_out").rtol, "lse_abs": tolerance("bf16", "sparse_attn_lse").atol,
        "dq": tolerance("bf16", "sparse_attn_grad").rtol, "dkv": tolerance("bf16", "sparse_attn_grad").rtol,
@@ -160,6 +162,95 @@ def test_edges_padded_heads_topk_length_chunks_empty_rows_duplicates():
     gen = torch.Generator(device=DEV).manual_seed(3)
     topk_length = torch.randint(0, topk + 1, (seq,), device=DEV, generator=gen, dtype=torch.int32)
     check(q, kv, idx, sink, d_v, d_out, d_lse, topk_length=topk_length, max_partial_bytes=8 << 20)
+
+
+@pytest.fixture
+def triton_forward():
+    kernel_config.FWD_KERNEL = "triton"
+    yield
+    kernel_config.FWD_KERNEL = "auto"
+
+
+def test_production_shape_triton_forward(triton_forward):
+    """The Triton forward (the fallback off Hopper) with the backward, where the default would run the Gluon one."""
+    q, kv, idx, sink, d_out, d_lse = make_case(4096, 64, 576, 512, 2048, 128)
+    before = launch.LAUNCH_COUNTS["_sparse_attn_fwd_ws_kernel"]
+    check(q, kv, idx, sink, 512, d_out, d_lse)
+    assert launch.LAUNCH_COUNTS["_sparse_attn_fwd_ws_kernel"] == before
+
+
+def _needs_hopper():
+    if capability.detect().sm is None or capability.detect().sm[0] != 9:
+        pytest.skip("the warp-specialised forward is Hopper-only (sm90): run on the H200")
+
+
+def _check_ws_forward(run, r_out, r_lse, label):
+    """``run(scale_factor) -> (out, lse)`` through the default route: the Gluon kernel ran (launch counter) and is
+    byte-identical run to run; fp32 reference within the forward tolerances, the Triton forward within them too; a
+    5 % logit-scale error planted in the call lands over the tolerance (the check can fail)."""
+    before = launch.LAUNCH_COUNTS["_sparse_attn_fwd_ws_kernel"]
+    out, lse = run(1.0)
+    out2, lse2 = run(1.0)
+    bad_out, _ = run(1.05)
+    assert launch.LAUNCH_COUNTS["_sparse_attn_fwd_ws_kernel"] == before + 3
+    assert_bitwise(out, out2, "out differs between two runs")
+    assert_bitwise(lse, lse2, "lse differs between two runs")
+    kernel_config.FWD_KERNEL = "triton"
+    try:
+        out_t, _ = run(1.0)
+    finally:
+        kernel_config.FWD_KERNEL = "auto"
+    assert launch.LAUNCH_COUNTS["_sparse_attn_fwd_ws_kernel"] == before + 3
+    finite = torch.isfinite(r_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    errors = {"out": rel(out, r_out), "lse_abs": (lse[finite] - r_lse[finite]).abs().max().item(),
+              "out_vs_triton": rel(out, out_t), "planted_out": rel(bad_out, r_out)}
+    print(f"[ws fwd {label}] " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()))
+    assert errors["out"] <= TOL["out"] and errors["lse_abs"] <= TOL["lse_abs"], errors
+    assert errors["out_vs_triton"] <= TOL["out"], errors
+    assert errors["planted_out"] > TOL["out"], f"a 5 % logit-scale error went unnoticed: {errors}"
+
+
+@pytest.mark.parametrize(
+    "seq, heads, d_qk, topk, window, n_extra, edges",
+    [(4096, 128, 576, 2048, 128, 0, False), (4096, 64, 512, 640, 128, 1024, False), (300, 20, 576, 96, 16, 0, True)],
+    ids=["v32_h128", "v4_csa_h64", "edges_h20"],
+)
+def test_ws_forward(seq, heads, d_qk, topk, window, n_extra, edges):
+    """The warp-specialised Gluon forward over an index table (kernel_fwd_ws.py), see ``_check_ws_forward``."""
+    _needs_hopper()
+    d_v = 512
+    q, kv, idx, sink, d_out, d_lse = make_case(seq, heads, d_qk, d_v, topk, window, n_extra, seed=2)
+    topk_length = None
+    if edges:  # padded heads (20 of 64), empty rows, duplicates, topk_length
+        idx[:7] = -1
+        idx[50:60, 1::2] = idx[50:60, 0:1]
+        gen = torch.Generator(device=DEV).manual_seed(3)
+        topk_length = torch.randint(0, topk + 1, (seq,), device=DEV, generator=gen, dtype=torch.int32)
+    scale = 1.0 / math.sqrt(d_qk)
+    r_out, r_lse = reference(q, kv, idx, sink, scale, d_v, d_out, d_lse, topk_length)[:2]
+    _check_ws_forward(lambda f: kernel.sparse_attn_fwd(q, kv, idx, sink, scale * f, d_v=d_v, topk_length=topk_length),
+                      r_out, r_lse, f"{tuple(q.shape)} K={topk}")
+
+
+@pytest.mark.parametrize("batch, seq, heads, n_keys, q_offset, d_qk",
+                         [(2, 384, 64, 512, 100, 576), (1, 200, 20, 200, 0, 512)], ids=["b2_offset_h64", "h20_k_eq_v"])
+def test_ws_forward_dense_causal(batch, seq, heads, n_keys, q_offset, d_qk):
+    """The same kernel in its dense causal mode (``causal.causal_attn_fwd``), see ``_check_ws_forward``."""
+    from fleet_ext.ops.sparse_attn import causal
+
+    _needs_hopper()
+    d_v = 512
+    gen = torch.Generator(device=DEV).manual_seed(4)
+    q = torch.randn((batch * seq, heads, d_qk), device=DEV, generator=gen).to(torch.bfloat16)
+    kv = torch.randn((batch * n_keys, d_qk), device=DEV, generator=gen).to(torch.bfloat16)
+    sink = (torch.rand((heads,), device=DEV, generator=gen) * 3 - 1).float()
+    d_out = torch.zeros((batch * seq, heads, d_v), device=DEV, dtype=torch.bfloat16)
+    d_lse = torch.zeros((batch * seq, heads), device=DEV)
+    scale = 1.0 / math.sqrt(d_qk)
+    r_out, r_lse = causal_reference(q, kv, sink, scale, d_v, d_out, d_lse, seq, q_offset)[:2]
+    _check_ws_forward(lambda f: causal.causal_attn_fwd(q, kv, sink, scale * f, seq, q_offset, d_v=d_v), r_out, r_lse,
+                      f"dense B={batch} S={seq} H={heads} N={n_keys} offset={q_offset} d={d_qk}")
 
 
 def test_bf16_partials():

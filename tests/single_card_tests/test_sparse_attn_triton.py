@@ -322,3 +322,21 @@ def test_kernel_launchers_reject_bad_inputs_naming_the_tensor():
         kernel.sparse_attn_bwd(q, kv, idx, sink, 0.1, out, lse, torch.zeros(4, 2, 16))
     with pytest.raises(ValueError, match=r"`partial_dtype` must be"):
         kernel.sparse_attn_bwd(q, kv, idx, sink, 0.1, out, lse, out, partial_dtype="float16")
+
+
+def test_warp_specialised_forward_is_chosen_only_where_it_runs(monkeypatch):
+    """The Gluon forward (kernel_fwd_ws.py, Hopper only: tested on the H200 by tests/gpu/test_sparse_attn_gpu.py)
+    is never picked here, and forcing it names why it cannot run."""
+    from fleet_ext.ops.sparse_attn import kernel_config
+
+    q, kv = torch.zeros(4, 2, 576), torch.zeros(6, 576)
+    idx, sink = torch.zeros(4, 3, dtype=torch.int32), torch.zeros(2)
+    assert kernel_config.ws_forward_fits("float32", 576, 512) == "not a Hopper GPU (sm90)"
+    assert not kernel.use_ws_forward(q, kv, 576, 512, "sparse_attn_fwd")
+    with expect_launches("_sparse_attn_fwd_kernel", exactly=1) as seen:
+        kernel.sparse_attn_fwd(q, kv, idx, sink, 0.1, d_v=512)
+    assert launch.LAUNCH_COUNTS["_sparse_attn_fwd_ws_kernel"] == 0, seen
+    monkeypatch.setattr(kernel_config, "FWD_KERNEL", "gluon")
+    with pytest.raises(ValueError, match=r"sparse_attn_fwd: kernel_config.FWD_KERNEL = 'gluon' cannot run here: "
+                                         r"not a Hopper GPU \(sm90\)"):
+        kernel.sparse_attn_fwd(q, kv, idx, sink, 0.1, d_v=512)

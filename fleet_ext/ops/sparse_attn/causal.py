@@ -38,6 +38,8 @@ from fleet_ext.ops.sparse_attn.kernel import (
     _pow2,
     _prec,
     flops,
+    launch_ws_forward,
+    use_ws_forward,
 )
 from fleet_ext.ops.sparse_attn.kernel_causal import (
     _causal_bwd_dkv_kernel,
@@ -126,6 +128,9 @@ def causal_attn_fwd(q: Any, kv: Any, sink: Any, scale: float, seq: int, q_offset
     out = empty_like(q, [num_t, heads, d_v])
     lse = empty_like(q, [num_t, heads], dtype=_framework_dtype(q, "float32"))
     if num_t == 0 or heads == 0:
+        return out, lse
+    if use_ws_forward(q, kv, d_qk, d_v, "causal_attn_fwd"):
+        launch_ws_forward(q, kv, sink, out, lse, scale, d_v, seq=seq, q_offset=q_offset)
         return out, lse
     block_h = _block_h(heads)
     launch_first_fitting(

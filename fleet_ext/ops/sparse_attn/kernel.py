@@ -22,6 +22,10 @@ part of the gathered tile. Returns ``out [T, H, d_v]`` (input dtype) and the sin
 exact); widths must be powers of two (``d_v`` and ``d_qk - d_v``, the latter may be 0) — the Paddle
 function zero-pads other widths, which is exact.
 
+On a Hopper GPU (bf16/fp16, ``d_v`` 512, tail 0 or 64) the forward runs the warp-specialised Gluon kernel of
+``kernel_fwd_ws.py`` instead (same contract and maths; ``kernel_config.FWD_KERNEL`` and ``ws_forward_fits`` say
+when), for the sparse and the dense causal forward alike (``launch_ws_forward``).
+
 Backward (``sparse_attn_bwd``), deterministic — no floating-point atomics anywhere, every sum has one
 fixed order, so the same inputs give byte-identical ``dq``, ``dkv`` and ``d_sink`` run after run:
 
@@ -69,7 +73,8 @@ from typing import Any
 import triton
 
 from fleet_ext import capability
-from fleet_ext.ops.launch import dtype_name, empty_like, is_paddle, launch, shape_of
+from fleet_ext.ops.launch import dtype_name, empty_like, is_paddle, launch, shape_of, torch_view
+from fleet_ext.ops.sparse_attn import kernel_config
 from fleet_ext.ops.sparse_attn.kernel_bwd import (
     _bwd_dkv_partial_kernel,
     _bwd_dkv_reduce_kernel,
@@ -81,6 +86,7 @@ from fleet_ext.ops.sparse_attn.kernel_bwd import (
 )
 from fleet_ext.ops.sparse_attn.kernel_config import OVERRIDES, configs_for, launch_first_fitting, reduce_config
 from fleet_ext.ops.sparse_attn.kernel_fwd import _row_bound_kernel, _sparse_attn_fwd_kernel
+from fleet_ext.ops.sparse_attn.kernel_fwd_ws import _sparse_attn_fwd_ws_kernel
 
 _LOG2E = 1.4426950408889634
 
@@ -206,6 +212,9 @@ def sparse_attn_fwd(q: Any, kv: Any, idx: Any, sink: Any, scale: float, d_v: int
         return out, lse
     if derive_bound and width > 0:
         topk_length = row_bound(idx, n_kv, topk_length)
+    if use_ws_forward(q, kv, d_qk, d_v, "sparse_attn_fwd"):
+        launch_ws_forward(q, kv, sink, out, lse, scale, d_v, idx=idx, topk_length=topk_length)
+        return out, lse
     block_h = min(64, max(16, _pow2(heads)))
     grid = (num_t, triton.cdiv(heads, block_h))
     launch_first_fitting(
@@ -217,6 +226,34 @@ def sparse_attn_fwd(q: Any, kv: Any, idx: Any, sink: Any, scale: float, d_v: int
         HAS_TOPK_LEN=topk_length is not None, PREC=_prec(q),
     )
     return out, lse
+
+
+def launch_ws_forward(q: Any, kv: Any, sink: Any, out: Any, lse: Any, scale: float, d_v: int, idx: Any = None,
+                      topk_length: Any = None, seq: int = 0, q_offset: int = 0) -> None:
+    """Launch the warp-specialised forward: over the index table ``idx`` (sparse), or dense causal when ``idx`` is
+    None (``causal.py``'s contract: ``seq`` queries per sequence at ``q_offset``, ``kv`` rows per sequence)."""
+    num_t, heads, d_qk = shape_of(q)
+    dense = idx is None
+    n_kv = int(kv.shape[0]) // (num_t // seq) if dense else int(kv.shape[0])
+    width = 0 if dense else int(idx.shape[1])
+    launch(_sparse_attn_fwd_ws_kernel, (num_t, triton.cdiv(heads, 64)), q, kv, q if dense else idx,
+           q if topk_length is None else topk_length, sink, out, lse, heads, n_kv, width, int(seq), int(q_offset),
+           float(scale) * _LOG2E, heads * d_qk, d_qk, d_qk, width, heads * d_v, d_v,
+           D_TAIL=d_qk - d_v, BLOCK_H=64, HAS_TOPK_LEN=topk_length is not None, DENSE=dense,
+           **kernel_config.WS_FWD_TILES[d_qk - d_v], **kernel_config.WS_FWD_META)
+
+
+def use_ws_forward(q: Any, kv: Any, d_qk: int, d_v: int, fn: str) -> bool:
+    """Whether this forward runs the warp-specialised Gluon kernel (``kernel_config.FWD_KERNEL``)."""
+    choice = kernel_config.FWD_KERNEL
+    if choice == "triton":
+        return False
+    why_not = kernel_config.ws_forward_fits(dtype_name(q), d_qk, d_v)
+    if why_not is None and any(int(torch_view(x).data_ptr()) % 16 for x in (q, kv)):
+        why_not = "rows not 16-byte aligned (cp.async copies 16 bytes)"
+    if choice == "gluon" and why_not is not None:
+        raise ValueError(f"{fn}: kernel_config.FWD_KERNEL = 'gluon' cannot run here: {why_not}")
+    return why_not is None
 
 
 def _check_bwd_inputs(q: Any, kv: Any, idx: Any, sink: Any, out: Any, lse: Any, d_out: Any, d_lse: Any,

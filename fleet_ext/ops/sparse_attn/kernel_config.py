@@ -39,6 +39,18 @@ _GPU = {"fwd": FWD_CONFIGS_GPU, "dq": DQ_CONFIGS_GPU, "partial": PARTIAL_CONFIGS
 _INTERP = {"fwd": [{"BLOCK_N": 16}], "dq": [{"BLOCK_N": 16}], "partial": [{"BLOCK_M": 16}],
            "reduce": {"BLOCK_P": 4}}
 
+# The forward kernel: "auto" runs the warp-specialised Gluon forward (``kernel_fwd_ws.py``) wherever
+# ``ws_forward_fits`` says it can, else the Triton kernel; "triton" / "gluon" force one (benchmarks, tests; "gluon"
+# raises where it cannot run).
+FWD_KERNEL = "auto"
+# Registers per thread, 3 x 168 shared by the three warpgroups: right half 168, gather 96, the softmax warpgroup the
+# 240 left (the sweep of 2026-12-01: best at all four shapes, within 2 % of a 80-register gather).
+WS_FWD_META = {"num_warps": 4, "maxnreg": 168, "RIGHT_REGS": 168, "GATHER_REGS": 96}
+# Per key-only tail width (64: V3.2 latent, 0: DSv4): slots per block, stage buffers, whether the softmax
+# warpgroup's PV reads P from registers (kernel_fwd_ws.py; sweep: scripts/bench/tune_sparse_fwd_ws.py).
+WS_FWD_TILES = {64: {"BLOCK_N": 64, "NUM_STAGES": 2, "P_IN_REGS": True},
+                0: {"BLOCK_N": 64, "NUM_STAGES": 2, "P_IN_REGS": True}}
+
 _CHOSEN: dict[tuple, dict] = {}
 OVERRIDES: dict[str, list[dict]] = {}  # kernel name -> configurations to try instead (benchmarks)
 
@@ -46,6 +58,22 @@ OVERRIDES: dict[str, list[dict]] = {}  # kernel name -> configurations to try in
 def configs_for(kind: str) -> list[dict]:
     """The configurations to try for kernel ``kind`` ("fwd", "dq", "partial") on this machine."""
     return _INTERP[kind] if capability.detect().interpreter else _GPU[kind]
+
+
+def ws_forward_fits(dtype: str, d_qk: int, d_v: int) -> str | None:
+    """None when the warp-specialised forward can run this call, else why not (the fallback's reason).
+
+    It needs a Hopper GPU (wgmma, mbarriers, ``setmaxnreg``), 16-bit inputs, the value width 512 split into two
+    256-wide halves and a key-only tail of 0 or 64 channels (the caller checks the 16-byte row alignment).
+    """
+    cap = capability.detect()
+    if cap.interpreter or not cap.gpu or cap.sm is None or cap.sm[0] != 9:
+        return "not a Hopper GPU (sm90)"
+    if dtype not in ("bfloat16", "float16"):
+        return f"dtype {dtype} (needs bf16/fp16)"
+    if d_v != 512 or d_qk - d_v not in (0, 64):
+        return f"widths d_qk {d_qk} / d_v {d_v} (needs 512 / 512 or 576)"
+    return None
 
 
 def reduce_config() -> dict:
