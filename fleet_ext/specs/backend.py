@@ -87,7 +87,10 @@ class BackendProvider:
             return reference
         where = self._triton_target()
         from fleet_ext.ops.sparse_attn.function import sparse_attention_triton
+        from fleet_ext.ops.sparse_attn.kernel_config import ws_forward_fits
 
+        if ws_forward_fits("bfloat16", 512, 512) is None:  # Hopper: the forward's warp-specialised Gluon kernel
+            where += "; forward: warp-specialised Gluon kernel (bf16/fp16, value width 512)"
         self._rows.append(ResolvedSwitch(switch, "triton", where, f"switch on; {BACKEND_GUARANTEE}"))
         return functools.partial(sparse_attention_triton, remap=remap)
 

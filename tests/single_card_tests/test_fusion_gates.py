@@ -53,6 +53,18 @@ def test_supported_gpus_resolve_to_triton(sm):
     assert rows["dsv4_q_rms_norm_fusion"].backend == "reference (pure Paddle)"
 
 
+@pytest.mark.parametrize("sm", [(8, 0), (9, 0)], ids=["sm80", "sm90"])
+def test_sparse_backend_row_names_the_hopper_forward(sm):
+    """The start-up table says where the sparse-attention forward runs: the warp-specialised Gluon kernel on sm90
+    only (``kernel_config.ws_forward_fits``), the Triton kernel elsewhere."""
+    config = load_config(TINY, csa_sparse_attn_backend="triton", mqa_sparse_attn_backend="triton")
+    with capability.override(_cap(sm=sm)):
+        rows = {r.switch: r for r in BackendProvider(config).resolved}
+    for switch in ("csa_sparse_attn_backend", "mqa_sparse_attn_backend"):
+        assert rows[switch].backend.startswith(f"Triton sm{sm[0]}{sm[1]}")
+        assert ("warp-specialised Gluon" in rows[switch].backend) == (sm == (9, 0))
+
+
 def test_a_derived_fusion_withheld_on_gpus_keeps_the_composition_there(monkeypatch):
     """A derived fusion whose GPU test failed (``gpu_withheld``, planted here on kv_norm_rope: none is withheld
     today) gives a GPU the two separate ops, with the reason, and the CPU the kernel."""
