@@ -1,0 +1,142 @@
+"""The warp-specialised sparse-attention forward (``kernel_fwd_ws.py``) compiled for sm90 on the CPU, without a GPU.
+
+The kernel runs only on Hopper (its results are tested on the H200 by ``tests/gpu/test_sparse_attn_gpu.py``), but
+two properties that decide its speed are visible in the compiler's output and are checked here, in CI, at the
+launch defaults of ``kernel_config`` (sparse and dense causal, tail 64 and 0):
+
+- ptxas does not serialise the wgmma instructions (its performance warning C7515: a wait after every HGMMA). It
+  does so when an async wgmma result is carried around a loop next to registers written by other instructions; a
+  kernel with that pattern is planted here to show the check catches it;
+- shared memory fits a Hopper block (232,448 bytes) and nothing spills, except the dense mode's few bytes of
+  loop-invariant row addresses in the gather warpgroup (read once per block; dense forward at 492-535 TFLOP/s on
+  the H200, ``benchmarks/RESULTS.md``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+triton = pytest.importorskip("triton")
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
+from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
+
+from fleet_ext.ops.sparse_attn import kernel_config  # noqa: E402
+from fleet_ext.ops.sparse_attn.kernel_fwd_ws import _sparse_attn_fwd_ws_kernel  # noqa: E402
+
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+SM90_SHARED_BYTES = 232448
+pytestmark = pytest.mark.skipif(not os.access(PTXAS, os.X_OK),
+                                reason=f"needs the ptxas that ships with Triton's wheel ({PTXAS})")
+
+
+def compile_sm90(fn, signature: dict, constexprs: dict, aligned: tuple[str, ...], **options):
+    """Compile a Gluon kernel for sm90 here (no GPU needed); ``aligned`` arguments are specialised as 16-divisible,
+    as the JIT does for pointers and strides of real tensors."""
+    names = list(signature)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    src = GluonASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def compile_ws_forward(tail: int, dense: bool):
+    """The forward at ``kernel_config``'s launch defaults, as ``kernel.launch_ws_forward`` launches it."""
+    pointers = {"Q": "*bf16", "KV": "*bf16", "IDX": "*bf16" if dense else "*i32", "TOPK_LEN": "*i32",
+                "SINK": "*fp32", "OUT": "*bf16", "LSE": "*fp32"}
+    scalars = {name: "i32" for name in ("H", "N", "K", "S", "q_offset")}
+    strides = {name: "i32" for name in ("stride_qt", "stride_qh", "stride_kvn", "stride_it", "stride_ot", "stride_oh")}
+    meta = {**kernel_config.WS_FWD_TILES[tail], **kernel_config.WS_FWD_META}
+    options = {k: meta.pop(k) for k in ("num_warps", "maxnreg")}
+    constexprs = {"D_TAIL": tail, "BLOCK_H": 64, "HAS_TOPK_LEN": not dense, "DENSE": dense, **meta}
+    signature = {**pointers, **scalars, "qk_scale": "fp32", **strides, **{k: "constexpr" for k in constexprs}}
+    return compile_sm90(_sparse_attn_fwd_ws_kernel, signature, constexprs, (*pointers, *strides), **options)
+
+
+def compiled_in_subprocess(case: str, tmp_path) -> tuple[dict, str]:
+    """Compile ``case`` in a fresh process (this file run as a script) with the interpreter off and an empty Triton
+    cache: the CPU suite sets ``TRITON_INTERPRET=1`` before Triton's own jitted helpers are made, and those cannot
+    be compiled for a GPU. Returns (metadata, PTX)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton_cache")
+    res = subprocess.run([sys.executable, os.path.abspath(__file__), case, str(tmp_path)], env=env,
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    return json.loads(res.stdout.strip().splitlines()[-1]), (tmp_path / "kernel.ptx").read_text()
+
+
+def ptxas_report(ptx: str, tmp_path) -> tuple[bool, int]:
+    """(ptxas serialised the wgmma instructions: warning C7515, bytes of spill stores) for sm_90a."""
+    src = tmp_path / "kernel.ptx"
+    src.write_text(ptx)
+    out = subprocess.run([PTXAS, "-arch=sm_90a", "-v", str(src), "-o", str(tmp_path / "kernel.o")],
+                         capture_output=True, text=True, check=True)
+    spills = re.search(r"(\d+) bytes spill stores", out.stderr)
+    assert spills, out.stderr
+    return "C7515" in out.stderr, int(spills.group(1))
+
+
+@pytest.mark.parametrize("tail", [64, 0], ids=["v32_tail64", "dsv4_tail0"])
+@pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense_causal"])
+def test_default_launch_compiles_without_wgmma_serialisation_or_spills(tail, dense, tmp_path):
+    meta, ptx = compiled_in_subprocess(f"{'dense' if dense else 'sparse'}-{tail}", tmp_path)
+    assert meta["shared"] <= SM90_SHARED_BYTES
+    assert ptx.count("wgmma.mma_async") > 0
+    serialised, spilled = ptxas_report(ptx, tmp_path)
+    assert not serialised, "ptxas serialises the wgmma instructions (C7515): an async result crosses the loop"
+    assert spilled <= (64 if dense else 0), f"{spilled} bytes spilled"
+
+
+@gluon.jit
+def _planted_loop_carried_wgmma(X, Y, n):
+    """The pattern that serialises: async S and PV results carried around the loop, PV's rescaled in between."""
+    mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    smem_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
+    r = gl.arange(0, 64, layout=gl.SliceLayout(1, blk))
+    c = gl.arange(0, 64, layout=gl.SliceLayout(0, blk))
+    a = gl.allocate_shared_memory(gl.bfloat16, [64, 64], smem_l, gl.load(X + r[:, None] * 64 + c[None, :]))
+    p = gl.allocate_shared_memory(gl.bfloat16, [64, 64], smem_l)
+    fence_async_shared()
+    s_tok = warpgroup_mma(a, a, warpgroup_mma_init(gl.zeros([64, 64], gl.float32, mma_l)), use_acc=False,
+                          is_async=True)
+    o_tok = warpgroup_mma_init(gl.zeros([64, 64], gl.float32, mma_l))
+    for _ in range(n):
+        s, o = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, o_tok))
+        p.store(s.to(gl.bfloat16))
+        fence_async_shared()
+        o_tok = warpgroup_mma(p, a, o * 0.5, is_async=True)
+        s_tok = warpgroup_mma(a, a, s_tok, use_acc=False, is_async=True)
+    o, _ = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, s_tok))
+    gl.store(Y + r[:, None] * 64 + c[None, :], gl.convert_layout(o, blk))
+
+
+def test_the_serialisation_check_catches_a_planted_loop_carried_wgmma(tmp_path):
+    _, ptx = compiled_in_subprocess("planted", tmp_path)
+    serialised, _ = ptxas_report(ptx, tmp_path)
+    assert serialised
+
+
+if __name__ == "__main__":  # the subprocess of ``compiled_in_subprocess``: <case> <directory>
+    case, where = sys.argv[1], sys.argv[2]
+    if case == "planted":
+        kernel = compile_sm90(_planted_loop_carried_wgmma, {"X": "*bf16", "Y": "*fp32", "n": "i32"}, {}, ("X", "Y"),
+                              num_warps=4)
+    else:
+        kind, tail = case.split("-")
+        kernel = compile_ws_forward(int(tail), kind == "dense")
+    with open(os.path.join(where, "kernel.ptx"), "w") as f:
+        f.write(kernel.asm["ptx"])
+    print(json.dumps({"shared": kernel.metadata.shared}))
