@@ -47,13 +47,16 @@ HALF = gl.constexpr(256)  # output columns per consumer warpgroup
 
 _WIDE = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0]))  # 16 x 256 per 4 warps, 16 B per copy
 _NARROW = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))  # 16 x 64
+_WIDE_ROWS = gl.constexpr(gl.SliceLayout(1, _WIDE))
+_NARROW_ROWS = gl.constexpr(gl.SliceLayout(1, _NARROW))
 
 
 @gluon.jit
 def _rows(idx_row, first, count, N, ROWS: gl.constexpr, layout: gl.constexpr, GATHER: gl.constexpr):
-    """Rows ``first .. first + ROWS`` of a block, laid out for a copy in ``layout``: gathered (``idx_row``, valid when
-    ``0 <= id < N`` and the slot ``< count``) or contiguous (valid when ``< count``); invalid rows read row 0 masked."""
-    r = first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    """Rows ``first .. first + ROWS`` of a block (a 1-D ``layout``) and which hold a key: gathered (``idx_row``,
+    valid when ``0 <= id < N`` and the slot ``< count``) or contiguous (valid when ``< count``; the dense causal
+    bound); invalid rows read row 0, masked."""
+    r = first + gl.arange(0, ROWS, layout=layout)
     if GATHER:
         ids = gl.load(idx_row + r, mask=r < count, other=-1)
         ok = (ids >= 0) & (ids < N)
@@ -82,17 +85,17 @@ def _gather_partition(q_base, kv_base, idx_row, n_valid, bufs, bars, h0, H, N, s
     q_lo, q_hi, q_tail, kv_lo, kv_hi, kv_tail, p_smem, alpha_smem, l_smem = bufs
     q_ready, kv_ready, kv_free, p_ready, p_free, done = bars
     for r in gl.static_range(0, BLOCK_H, 16):
-        row, ok = _rows(idx_row, h0 + r, H, N, 16, _WIDE, False)
+        row, ok = _rows(idx_row, h0 + r, H, N, 16, _WIDE_ROWS, False)
         _copy_cols(q_lo.slice(r, 16), q_base, row, ok, stride_qh, 0, HALF, _WIDE)
         _copy_cols(q_hi.slice(r, 16), q_base, row, ok, stride_qh, HALF, HALF, _WIDE)
         if D_TAIL > 0:
-            row_t, ok_t = _rows(idx_row, h0 + r, H, N, 16, _NARROW, False)
+            row_t, ok_t = _rows(idx_row, h0 + r, H, N, 16, _NARROW_ROWS, False)
             _copy_cols(q_tail.slice(r, 16), q_base, row_t, ok_t, stride_qh, 2 * HALF, D_TAIL, _NARROW)
     async_copy.mbarrier_arrive(q_ready, increment_count=False)
 
-    row, ok = _rows(idx_row, 0, n_valid, N, BLOCK_N, _WIDE, GATHER)
+    row, ok = _rows(idx_row, 0, n_valid, N, BLOCK_N, _WIDE_ROWS, GATHER)
     if D_TAIL > 0:
-        row_t, ok_t = _rows(idx_row, 0, n_valid, N, BLOCK_N, _NARROW, GATHER)
+        row_t, ok_t = _rows(idx_row, 0, n_valid, N, BLOCK_N, _NARROW_ROWS, GATHER)
     for i in range(gl.cdiv(n_valid, BLOCK_N)):
         stage = i % NUM_STAGES
         mbarrier.wait(kv_free.index(stage), ((i // NUM_STAGES) & 1) ^ 1)
@@ -101,9 +104,9 @@ def _gather_partition(q_base, kv_base, idx_row, n_valid, bufs, bars, h0, H, N, s
         if D_TAIL > 0:
             _copy_cols(kv_tail.index(stage), kv_base, row_t, ok_t, stride_kvn, 2 * HALF, D_TAIL, _NARROW)
         async_copy.mbarrier_arrive(kv_ready.index(stage), increment_count=False)
-        row, ok = _rows(idx_row, (i + 1) * BLOCK_N, n_valid, N, BLOCK_N, _WIDE, GATHER)
+        row, ok = _rows(idx_row, (i + 1) * BLOCK_N, n_valid, N, BLOCK_N, _WIDE_ROWS, GATHER)
         if D_TAIL > 0:
-            row_t, ok_t = _rows(idx_row, (i + 1) * BLOCK_N, n_valid, N, BLOCK_N, _NARROW, GATHER)
+            row_t, ok_t = _rows(idx_row, (i + 1) * BLOCK_N, n_valid, N, BLOCK_N, _NARROW_ROWS, GATHER)
 
 
 @gluon.jit
@@ -114,18 +117,6 @@ def _issue_qk(q_lo, q_hi, q_tail, kv_lo, kv_hi, kv_tail, s, D_TAIL: gl.constexpr
     if D_TAIL > 0:
         s = warpgroup_mma(q_tail, kv_tail.permute((1, 0)), s, is_async=True)
     return s
-
-
-@gluon.jit
-def _slot_ok(idx_row, first, n_valid, N, layout: gl.constexpr, BLOCK_N: gl.constexpr, GATHER: gl.constexpr):
-    """Which of the block's slots hold a key: a valid index (gather), or a key inside the causal bound (dense)."""
-    kk = first + gl.arange(0, BLOCK_N, layout=layout)
-    if GATHER:
-        ids = gl.load(idx_row + kk, mask=kk < n_valid, other=-1)
-        ok = (ids >= 0) & (ids < N)
-    else:
-        ok = kk < n_valid
-    return ok
 
 
 @gluon.jit
@@ -165,7 +156,7 @@ def _blocks(idx_row, n_valid, N, qk_scale, m_i, l_i, o, bufs, bars, s_l: gl.cons
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
     for i in range(gl.cdiv(n_valid, BLOCK_N)):
         stage = i % NUM_STAGES
-        ok = _slot_ok(idx_row, i * BLOCK_N, n_valid, N, col_s, BLOCK_N, GATHER)  # latency hidden by S_i
+        _, ok = _rows(idx_row, i * BLOCK_N, n_valid, N, BLOCK_N, col_s, GATHER)  # latency hidden by S_i
         mbarrier.wait(kv_ready.index(stage), (i // NUM_STAGES) & 1)
         s = _issue_qk(q_lo, q_hi, q_tail, kv_lo.index(stage), kv_hi.index(stage), kv_tail.index(stage),
                       gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_l), D_TAIL)
