@@ -198,7 +198,7 @@ def test_gradients_vs_float64_autograd(kernel, tokens, n, d, dtype):
         check(got, want.cpu().numpy(), dtype, f"combine {what}")
 
 
-def _pre_op_vs_float64(kernel, a, label: str) -> None:
+def _assert_pre_op_matches_float64(kernel, a, label: str) -> None:
     """The pre op forward and backward (bf16 streams) under the current ``kernel.TUNE`` vs torch float64 autograd:
     its outputs, its streams gradient (rounded to bf16 once: alone, without the head's) and the parameter
     gradients, the fused entries."""
@@ -220,7 +220,7 @@ def _pre_op_vs_float64(kernel, a, label: str) -> None:
 def test_product_modes_in_bf16(kernel, monkeypatch, dot, gx):
     """Each tile-product mode the launchers offer, at V4's width."""
     monkeypatch.setattr(kernel, "TUNE", {"dot": dot, "gx": gx})
-    _pre_op_vs_float64(kernel, make(256, 4, 4096, torch.bfloat16, seed=3), f"{dot}/{gx}")
+    _assert_pre_op_matches_float64(kernel, make(256, 4, 4096, torch.bfloat16, seed=3), f"{dot}/{gx}")
 
 
 def _variant_id(variant: dict) -> str:
@@ -234,7 +234,7 @@ def test_launch_geometries_in_bf16(kernel, monkeypatch, variant):
     the defaults'; and byte-identical run to run at the production shape."""
     monkeypatch.setattr(kernel, "TUNE", dict(variant))
     a = make(256, 4, 4096, torch.bfloat16, seed=11)
-    _pre_op_vs_float64(kernel, a, _variant_id(variant))
+    _assert_pre_op_matches_float64(kernel, a, _variant_id(variant))
     post, comb, _, _, _ = kernel.pre_forward(a["x"], a["fn"], a["base"], a["scale"], ITERS, EPS, NORM_EPS)
     with expect_launches("_mhc_combine_bwd", exactly=1):
         got = kernel.combine_backward(a["x"], a["f"], post, comb, a["g_out"])
