@@ -211,16 +211,24 @@ def _cuda_driver_present() -> bool:
     return os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia/version")
 
 
+_FORCED_INTERPRETER: list[bool] = []  # an explicit choice of prepare_triton, kept for its later default calls
+
+
 def prepare_triton(interpreter: bool | None = None) -> None:
     """Select Triton's interpreter mode where kernels cannot be compiled; call before any kernel import.
 
     Triton reads ``TRITON_INTERPRET`` when a kernel (or one of ``triton.language``'s own jitted helpers)
     is decorated, so this must run before Triton and the kernel modules are imported:
     ``fleet_ext.ops`` calls it on import. ``interpreter`` forces the choice (the backend provider passes
-    its capability's); by default it follows the presence of an NVIDIA driver. The variable is an
-    internal detail, not a user interface.
+    its capability's); by default it follows the presence of an NVIDIA driver, or the last forced choice (so a
+    CPU process that compiles kernels for sm90 without a GPU calls ``prepare_triton(interpreter=False)`` before
+    importing them). The variable is an internal detail, not a user interface.
     """
-    if interpreter is None:
+    if interpreter is not None:
+        _FORCED_INTERPRETER[:] = [interpreter]
+    elif _FORCED_INTERPRETER:
+        interpreter = _FORCED_INTERPRETER[0]
+    else:
         interpreter = not _cuda_driver_present()
     if interpreter:
         os.environ["TRITON_INTERPRET"] = "1"

@@ -189,10 +189,15 @@ def gemm_rows(experts: int, log: Callable) -> dict[str, Any]:
     row["grouped_ms"] = median_ms(lambda: torch._grouped_mm(x, w1, offs=offs))
     row["grouped_cm_ms"] = median_ms(lambda: torch._grouped_mm(x, w1_cm, offs=offs))
     row["dense_ms"] = median_ms(lambda: x @ dense)
+    ek.GATE_UP_KERNEL = "triton"  # the sweep is over the Triton kernel's settings
     sweep = sweep_role("gate_up", regime, lambda: ek.gate_up(x, counts, w1, LIMIT), log)
-    row["fused_ms"], row["fused_cfg"] = sweep["best"]["ms"], sweep["best"]["cfg"]
+    ek.GATE_UP_KERNEL = "auto"
+    row["triton_ms"], row["triton_cfg"] = sweep["best"]["ms"], sweep["best"]["cfg"]
+    row["fused_ms"], row["fused_cfg"] = row["triton_ms"], row["triton_cfg"]
+    if ek.use_ws_gate_up(x, w1):  # the default on Hopper for small groups: the warp-specialised kernel
+        row["fused_ms"], row["fused_cfg"] = median_ms(lambda: ek.gate_up(x, counts, w1, LIMIT)), dict(ek.WS_GATE_UP)
     row["sweep"] = {"gate_up": sweep["runs"]}
-    for key in ("loop", "grouped", "grouped_cm", "dense", "fused"):
+    for key in ("loop", "grouped", "grouped_cm", "dense", "fused", "triton"):
         row[f"{key}_tflops"] = flops / (row[f"{key}_ms"] * 1e-3) / 1e12
     row["grouped_best_tflops"] = max(row["grouped_tflops"], row["grouped_cm_tflops"])
     _sweep_rest(x, counts, w1, w2, regime, row, log)

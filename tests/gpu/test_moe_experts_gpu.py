@@ -56,13 +56,19 @@ def paths_ran(run, *args) -> tuple:
     return result, set(kernel_tiles.PATH_COUNTS)
 
 
-def expected_paths(kernel, n_rows: int, experts: int, dtype: torch.dtype) -> set:
-    """What ``kernel.TUNE`` asks for (every test shape here is 16-byte aligned: TMA wherever it is asked for)."""
+def expected_paths(kernel, n_rows: int, experts: int, dtype: torch.dtype, ws_gate_up: bool) -> set:
+    """What ``kernel.TUNE`` asks for (every test shape here is 16-byte aligned: TMA wherever it is asked for), the
+    gate+up on the warp-specialised kernel (TMA, persistent) where it runs."""
     from fleet_ext.ops.moe_experts import kernel_tiles
 
     name = str(dtype).rsplit(".", 1)[-1]
-    return {(ROLE_KERNELS[role], "tma" if cfg.tma else "pointer", kernel_tiles.GRID_KINDS[cfg.persistent])
-            for role in ROLE_KERNELS for cfg in [kernel.launch_config(role, n_rows, experts, name)]}
+    paths = {(ROLE_KERNELS[role], "tma" if cfg.tma else "pointer", kernel_tiles.GRID_KINDS[cfg.persistent])
+             for role in ROLE_KERNELS for cfg in [kernel.launch_config(role, n_rows, experts, name)]
+             if not (ws_gate_up and role == "gate_up")}
+    return paths | ({(WS_GATE_UP, "tma", "persistent")} if ws_gate_up else set())
+
+
+WS_GATE_UP = "_gate_up_ws_kernel"
 
 
 CASES = {  # name: (counts, D, I, pad rows)
@@ -137,10 +143,12 @@ class _no_tf32:
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_forward_and_gradients_vs_the_float64_oracle(kernels, case, dtype):
     x, counts, w1, w2, g = make(case, DTYPES[dtype])
-    with expect_launches("_grouped_gate_up", "_grouped_d_gate_up", exactly=1), \
+    ws = kernels[0].use_ws_gate_up(x, w1)  # bf16, D a multiple of 64, small groups (the defaults' choice)
+    assert ws == (dtype == "bf16" and case in ("small_groups", "one_expert_takes_all", "rows_past_the_counts"))
+    with expect_launches(WS_GATE_UP if ws else "_grouped_gate_up", "_grouped_d_gate_up", exactly=1), \
             expect_launches("_grouped_rows_mm", "_grouped_d_weight", exactly=2):
         got, ran = paths_ran(fused, kernels, x, counts, w1, w2, g)
-    assert ran == expected_paths(kernels[0], x.shape[0], len(counts), x.dtype)
+    assert ran == expected_paths(kernels[0], x.shape[0], len(counts), x.dtype, ws)
     want = oracle(x, counts, w1, w2, g)
     _check(got, want, dtype, "grouped_experts", f"{case} {dtype} vs float64")
     pad = CASES[case][3]
@@ -170,10 +178,12 @@ def test_every_result_is_byte_identical_run_to_run(kernels, dtype):
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_load_paths_and_grid_kinds_give_the_same_bytes(kernels, dtype, case="rows_past_the_counts"):
+def test_load_paths_and_grid_kinds_give_the_same_bytes(kernels, dtype, monkeypatch, case="rows_past_the_counts"):
     """The defaults' tiles with pointer or TMA-descriptor loads, one program per tile or a persistent grid (the
-    tile loop flattened into the K loop or not): byte-identical results, each on the path asked for."""
+    tile loop flattened into the K loop or not): byte-identical results, each on the path asked for (the Triton
+    gate+up here; the warp-specialised one is compared with it below)."""
     kernel = kernels[0]
+    monkeypatch.setattr(kernel, "GATE_UP_KERNEL", "triton")
     x, counts, w1, w2, g = make(case, DTYPES[dtype], seed=3)
     first = fused(kernels, x, counts, w1, w2, g)
     variants = [(False, 0), (True, 0), (True, 1), (True, 2)] if dtype == "bf16" else [(False, 0), (True, 2)]
@@ -196,3 +206,53 @@ def test_planted_difference_fails_the_bf16_check(kernels):
     got = fused(kernels, x, shifted, w1, w2, g)
     with pytest.raises(AssertionError):
         _check(got, want, "bf16", "grouped_experts", "planted")
+
+
+WS_FORMS = {"ping_pong": {}, "cooperative": {"COOP": True}}  # the cooperative form: two warpgroups on one tile
+
+
+def _ws_form(kernel, monkeypatch, form: str) -> None:
+    cfg = {**kernel.WS_GATE_UP, **WS_FORMS[form]}
+    if form == "cooperative" and not kernel.WS_GATE_UP["COOP"]:
+        cfg["BM"] *= 2  # each warpgroup keeps the default's rows
+    monkeypatch.setattr(kernel, "WS_GATE_UP", cfg)
+
+
+@pytest.mark.parametrize("form", list(WS_FORMS))
+@pytest.mark.parametrize("case", [c for c in CASES if CASES[c][1] % 64 == 0])
+def test_warp_specialised_gate_up_equals_the_triton_kernel_bitwise(kernels, case, form, monkeypatch):
+    """bf16: the Gluon gate+up (``kernel_gate_up_ws.py``) gives the Triton kernel's gate_up and h byte for byte
+    (the same K steps in the same order, the same epilogue) on every segment pattern, run to run too."""
+    kernel = kernels[0]
+    x, counts, w1, _, _ = make(case, torch.bfloat16, seed=4)
+    monkeypatch.setattr(kernel, "GATE_UP_KERNEL", "triton")
+    want = kernel.gate_up(x, counts, w1, LIMIT)
+    monkeypatch.setattr(kernel, "GATE_UP_KERNEL", "gluon")
+    _ws_form(kernel, monkeypatch, form)
+    for attempt in range(2):
+        with expect_launches(WS_GATE_UP, exactly=1):
+            got = kernel.gate_up(x, counts, w1, LIMIT)
+        for name, a, b in zip(("gate_up", "h"), got, want):
+            assert_bitwise(a, b, f"{case} {form} run {attempt}: {name}")
+
+
+def test_warp_specialised_gate_up_check_fails_on_a_planted_difference(kernels, monkeypatch):
+    """Negative control: one row moved across a segment boundary makes the bitwise check above fail."""
+    kernel = kernels[0]
+    x, counts, w1, _, _ = make("small_groups", torch.bfloat16, seed=4)
+    monkeypatch.setattr(kernel, "GATE_UP_KERNEL", "triton")
+    want = kernel.gate_up(x, counts, w1, LIMIT)
+    monkeypatch.setattr(kernel, "GATE_UP_KERNEL", "gluon")
+    shifted = counts.clone()
+    shifted[0] -= 1
+    shifted[2] += 1
+    with pytest.raises(AssertionError):
+        assert_bitwise(kernel.gate_up(x, shifted, w1, LIMIT)[0], want[0], "planted")
+
+
+def test_forcing_the_warp_specialised_gate_up_where_it_cannot_run_names_why(kernels, monkeypatch):
+    kernel = kernels[0]
+    x, counts, w1, _, _ = make("small_groups", torch.float32)
+    monkeypatch.setattr(kernel, "GATE_UP_KERNEL", "gluon")
+    with pytest.raises(ValueError, match="GATE_UP_KERNEL = 'gluon' cannot run here: dtype float32"):
+        kernel.gate_up(x, counts, w1, LIMIT)

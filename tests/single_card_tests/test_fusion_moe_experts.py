@@ -239,6 +239,20 @@ def test_load_paths_and_grid_kinds_give_the_same_bytes():
         assert_bitwise(planted["out"], first["out"], "planted: one weight one ulp off")
 
 
+def test_the_warp_specialised_gate_up_never_runs_here_and_forcing_it_names_why(monkeypatch):
+    """The Gluon gate+up needs a Hopper GPU: here ``auto`` keeps the Triton kernel (its launch counted), and
+    ``GATE_UP_KERNEL = 'gluon'`` raises naming why (its results are tested on the H200: tests/gpu)."""
+    x, counts, w1, w2, _ = _data(12, 16, 8, 4, 2, "random", 1.0)
+    with expect_launches("_grouped_gate_up", exactly=1), expect_launches("_gate_up_ws_kernel", exactly=0):
+        function.experts(paddle.to_tensor(x), paddle.to_tensor(counts), paddle.to_tensor(w1), paddle.to_tensor(w2),
+                         1.0)
+    assert kernel.gate_up_ws_fits(paddle.to_tensor(x), paddle.to_tensor(w1)) == "not a Hopper GPU (sm90)"
+    monkeypatch.setattr(kernel, "GATE_UP_KERNEL", "gluon")
+    with pytest.raises(ValueError, match=r"GATE_UP_KERNEL = 'gluon' cannot run here: not a Hopper GPU \(sm90\)"):
+        function.experts(paddle.to_tensor(x), paddle.to_tensor(counts), paddle.to_tensor(w1), paddle.to_tensor(w2),
+                         1.0)
+
+
 # -- the tiny model, switch off vs on --------------------------------------------------------------------------
 def _model_run(switches: dict, **overrides) -> dict[str, np.ndarray]:
     from fleet_ext.models import DSv4ForCausalLM

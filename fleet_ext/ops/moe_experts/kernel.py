@@ -18,6 +18,9 @@ map (device-built from ``counts``), the K loops and the TMA descriptors are in `
   ``h = silu(min(gate, limit)) * clip(up, -limit, limit)`` from the rounded ``gate_up`` (as the reference
   computes the activation from the stored pre-activation); both are written: ``gate_up`` for the backward,
   ``h`` for the down GEMM. ``_grouped_rows_mm``: ``y_e = h_e @ W2[e]``.
+- **Hopper.** For small expert groups the gate+up runs the warp-specialised Gluon kernel of
+  ``kernel_gate_up_ws.py`` instead (a TMA loader warp and two MMA warpgroups; same K order, same epilogue: its
+  results equal ``_grouped_gate_up``'s byte for byte on the H200), see ``GATE_UP_KERNEL``.
 - fp32 accumulation; bf16 / fp16 / fp32 operands (fp32 dots in IEEE fp32, not tf32). The backward is in
   ``kernel_bwd.py``. Launch settings: ``TUNE`` (per GEMM, by the mean rows per expert, a host-side shape fact).
 """
@@ -32,7 +35,8 @@ from typing import Any, NamedTuple
 import triton
 import triton.language as tl
 
-from fleet_ext.ops.launch import detached, dtype_name, empty_like, launch, shape_of, strides_of
+from fleet_ext import capability
+from fleet_ext.ops.launch import detached, dtype_name, empty_like, launch, shape_of, strides_of, torch_view
 from fleet_ext.ops.moe_experts.kernel_tiles import (
     _locate,
     _row_loop,
@@ -241,12 +245,78 @@ def rows_gemm(a: Any, b: Any, counts: Any, out: Any, k: int, n_out: int, b_strid
            FLATTEN=cfg.persistent == 2, num_warps=cfg.warps, num_stages=cfg.stages)
 
 
+# The warp-specialised gate+up (``kernel_gate_up_ws.py``) on Hopper: "auto" where it fits and measured faster (small
+# groups: 449 vs 431 TFLOP/s at 256 experts; at 32 experts the Triton kernel's 577 beat its 553-563, H200,
+# benchmarks/RESULTS.md), "triton" never, "gluon" always (an error names why it cannot run). Its launch setting: tile
+# rows / columns (gate and up each) / K step, row tiles per column sweep, pipeline stages, COOP (both MMA
+# warpgroups on one tile, half its rows each; else ping-pong, one tile each, K loops in turn), registers of each
+# MMA warpgroup and of the loader warp.
+GATE_UP_KERNEL = "auto"
+WS_GATE_UP = {"BM": 64, "BN": 128, "BK": 64, "GROUP_M": 8, "STAGES": 4, "COOP": False, "MMA_REGS": 232,
+              "LOADER_REGS": 40}
+
+
+def gate_up_ws_fits(rows: Any, weight1: Any) -> str | None:
+    """None when the warp-specialised gate+up can run this call, else why not (the Triton kernel's reason)."""
+    cap = capability.detect()
+    if cap.interpreter or not cap.gpu or cap.sm is None or cap.sm[0] != 9:
+        return "not a Hopper GPU (sm90)"
+    if dtype_name(rows) not in ("bfloat16", "float16"):
+        return f"dtype {dtype_name(rows)} (needs bf16/fp16)"
+    dim, two_i = shape_of(weight1)[1], shape_of(weight1)[2]
+    if dim % WS_GATE_UP["BK"] or (two_i // 2) % 8:
+        return f"D {dim} not a multiple of {WS_GATE_UP['BK']} or I {two_i // 2} of 8 (TMA tiles of one expert)"
+    if not tma_route(_grouped_gate_up, rows, weight1):
+        return "tensors TMA cannot address (16-byte aligned torch tensors needed)"
+    return None
+
+
+def use_ws_gate_up(rows: Any, weight1: Any) -> bool:
+    """Whether ``gate_up`` runs the warp-specialised kernel on these tensors (``GATE_UP_KERNEL``)."""
+    n_rows, experts = shape_of(rows)[0], shape_of(weight1)[0]
+    if GATE_UP_KERNEL == "triton" or n_rows == 0:
+        return False
+    if GATE_UP_KERNEL == "auto" and n_rows >= SMALL_GROUP_ROWS * experts:
+        return False
+    why_not = gate_up_ws_fits(rows, weight1)
+    if GATE_UP_KERNEL == "gluon" and why_not is not None:
+        raise ValueError(f"moe_experts: kernel.GATE_UP_KERNEL = 'gluon' cannot run here: {why_not}")
+    return why_not is None
+
+
+def _launch_ws_gate_up(rows: Any, counts: Any, weight1: Any, gate_up_out: Any, h: Any, limit: float) -> None:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    from fleet_ext.ops.moe_experts.kernel_gate_up_ws import _gate_up_ws_kernel
+
+    n_rows, dim = shape_of(rows)
+    experts, two_i = shape_of(weight1)[0], shape_of(weight1)[2]
+    cfg = WS_GATE_UP
+    elem = gl.bfloat16 if dtype_name(rows) == "bfloat16" else gl.float16
+    x, w = torch_view(rows), torch_view(weight1).reshape(experts * dim, two_i)
+    x_block, w_block = [cfg["BM"], cfg["BK"]], [cfg["BK"], cfg["BN"]]
+    x_desc = GluonDescriptor(x, shape_of(x), strides_of(x), x_block,
+                             gl.NVMMASharedLayout.get_default_for(x_block, elem))
+    w_desc = GluonDescriptor(w, shape_of(w), strides_of(w), w_block,
+                             gl.NVMMASharedLayout.get_default_for(w_block, elem))
+    tiles = (triton.cdiv(n_rows, cfg["BM"]) + experts) * triton.cdiv(two_i // 2, cfg["BN"])
+    count_path(_gate_up_ws_kernel, True, 1)
+    launch(_gate_up_ws_kernel, (grid_size(True, _grouped_gate_up, tiles),), x_desc, w_desc, counts, gate_up_out, h,
+           n_rows, dim, two_i // 2, experts, float(limit), two_i, two_i // 2, HAS_LIMIT=float(limit) > 0,
+           E_PAD=experts_pad(experts), num_warps=4, **cfg)
+
+
 def gate_up(rows: Any, counts: Any, weight1: Any, limit: float) -> tuple[Any, Any]:
-    """rows [N, D] -> (gate_up [N, 2I], h [N, I]): ``_grouped_gate_up`` alone (one launch)."""
+    """rows [N, D] -> (gate_up [N, 2I], h [N, I]): one launch, the warp-specialised kernel on Hopper
+    (``GATE_UP_KERNEL``), else ``_grouped_gate_up``."""
     n_rows, dim = shape_of(rows)
     experts, inter = shape_of(weight1)[0], shape_of(weight1)[2] // 2
     gate_up_out = empty_like(rows, shape=[n_rows, 2 * inter])
     h = empty_like(rows, shape=[n_rows, inter])
+    if use_ws_gate_up(rows, weight1):
+        _launch_ws_gate_up(rows, counts, weight1, gate_up_out, h, limit)
+        return gate_up_out, h
     cfg = launch_config("gate_up", n_rows, experts, dtype_name(rows))
     s1 = strides_of(weight1)
     x_desc = w_desc = None  # the up columns start at I: TMA wants I * element size a multiple of 16 bytes too

@@ -40,7 +40,13 @@ def _segments(counts_ptr, N, E, BM: tl.constexpr, E_PAD: tl.constexpr):
     """Per expert lane (first row, rows, first tile, end tile), with the counts cut at ``N``; the rows the experts
     hold, their tile count, and every row tile of the launch (zero tiles for the rows past the counts included)."""
     ex = tl.arange(0, E_PAD)
-    c = tl.load(counts_ptr + ex, mask=ex < E, other=0).to(tl.int32)
+    return _segment_lanes(ex, tl.load(counts_ptr + ex, mask=ex < E, other=0).to(tl.int32), N, BM)
+
+
+@triton.jit
+def _segment_lanes(ex, c, N, BM: tl.constexpr):
+    """:func:`_segments` from the loaded counts ``c`` (int32, one lane per expert ``ex``): no layout of its own, so
+    the Gluon kernels call it too, on lanes in their partition's layout."""
     cum = tl.cumsum(c, axis=0)
     start = tl.minimum(cum - c, N)
     rows = tl.minimum(cum, N) - start

@@ -1,15 +1,17 @@
-"""The warp-specialised sparse-attention forward (``kernel_fwd_ws.py``) compiled for sm90 on the CPU, without a GPU.
+"""The Gluon kernels compiled for sm90 on the CPU, without a GPU: the warp-specialised sparse-attention forward
+(``sparse_attn/kernel_fwd_ws.py``) and grouped gate+up GEMM (``moe_experts/kernel_gate_up_ws.py``).
 
-The kernel runs only on Hopper (its results are tested on the H200 by ``tests/gpu/test_sparse_attn_gpu.py``), but
-two properties that decide its speed are visible in the compiler's output and are checked here, in CI, at the
-launch defaults of ``kernel_config`` (sparse and dense causal, tail 64 and 0):
+They run only on Hopper (their results are tested on the H200 by ``tests/gpu/test_sparse_attn_gpu.py`` and
+``tests/gpu/test_moe_experts_gpu.py``), but two properties that decide their speed are visible in the compiler's
+output and are checked here, in CI, at their launch defaults (attention: ``kernel_config``'s, sparse and dense
+causal, tail 64 and 0; gate+up: ``kernel.WS_GATE_UP``, ping-pong and cooperative):
 
 - ptxas does not serialise the wgmma instructions (its performance warning C7515: a wait after every HGMMA). It
   does so when an async wgmma result is carried around a loop next to registers written by other instructions; a
   kernel with that pattern is planted here to show the check catches it;
 - shared memory fits a Hopper block (232,448 bytes) and nothing spills, except the dense mode's few bytes of
   loop-invariant row addresses in the gather warpgroup (read once per block; dense forward at 492-535 TFLOP/s on
-  the H200, ``benchmarks/RESULTS.md``).
+  the H200, ``benchmarks/RESULTS.md``) and the gate+up's few bytes before its partitions start.
 """
 
 from __future__ import annotations
@@ -34,6 +36,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
     warpgroup_mma_wait,
 )
 
+from fleet_ext import capability  # noqa: E402
+
+if __name__ == "__main__":  # the compiling subprocess: kernels built for sm90, not for the interpreter
+    capability.prepare_triton(interpreter=False)
+
+from fleet_ext.ops.moe_experts import kernel as moe_kernel  # noqa: E402
+from fleet_ext.ops.moe_experts.kernel_gate_up_ws import _gate_up_ws_kernel  # noqa: E402
 from fleet_ext.ops.sparse_attn import kernel_config  # noqa: E402
 from fleet_ext.ops.sparse_attn.kernel_fwd_ws import _sparse_attn_fwd_ws_kernel  # noqa: E402
 
@@ -65,6 +74,23 @@ def compile_ws_forward(tail: int, dense: bool):
     return compile_sm90(_sparse_attn_fwd_ws_kernel, signature, constexprs, (*pointers, *strides), **options)
 
 
+def compile_gate_up_ws(coop: bool):
+    """The grouped gate+up at ``kernel.WS_GATE_UP`` (its tile rows doubled for the cooperative form), bf16."""
+    cfg = {**moe_kernel.WS_GATE_UP, "COOP": coop}
+    if coop:
+        cfg["BM"] *= 2
+    x_block, w_block = [cfg["BM"], cfg["BK"]], [cfg["BK"], cfg["BN"]]
+    layouts = [gl.NVMMASharedLayout.get_default_for(b, gl.bfloat16) for b in (x_block, w_block)]
+    descs = {name: f"tensordesc<bf16[{b[0]}, {b[1]}],{lay!r}>"
+             for name, b, lay in zip(("x_desc", "w_desc"), (x_block, w_block), layouts)}
+    pointers = {"counts_ptr": "*i64", "gu_ptr": "*bf16", "h_ptr": "*bf16"}
+    scalars = {**{n: "i32" for n in ("N", "K", "INTER", "E")}, "limit": "fp32", "s_gu": "i32", "s_h": "i32"}
+    constexprs = {"HAS_LIMIT": True, "E_PAD": 256, **cfg}
+    signature = {**descs, **pointers, **scalars, **{k: "constexpr" for k in constexprs}}
+    return compile_sm90(_gate_up_ws_kernel, signature, constexprs, (*pointers, "K", "INTER", "s_gu", "s_h"),
+                        num_warps=4)
+
+
 def compiled_in_subprocess(case: str, tmp_path) -> tuple[dict, str]:
     """Compile ``case`` in a fresh process (this file run as a script) with the interpreter off and an empty Triton
     cache: the CPU suite sets ``TRITON_INTERPRET=1`` before Triton's own jitted helpers are made, and those cannot
@@ -90,13 +116,23 @@ def ptxas_report(ptx: str, tmp_path) -> tuple[bool, int]:
 
 @pytest.mark.parametrize("tail", [64, 0], ids=["v32_tail64", "dsv4_tail0"])
 @pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense_causal"])
-def test_default_launch_compiles_without_wgmma_serialisation_or_spills(tail, dense, tmp_path):
+def test_attention_defaults_compile_without_wgmma_serialisation_or_spills(tail, dense, tmp_path):
     meta, ptx = compiled_in_subprocess(f"{'dense' if dense else 'sparse'}-{tail}", tmp_path)
     assert meta["shared"] <= SM90_SHARED_BYTES
     assert ptx.count("wgmma.mma_async") > 0
     serialised, spilled = ptxas_report(ptx, tmp_path)
     assert not serialised, "ptxas serialises the wgmma instructions (C7515): an async result crosses the loop"
     assert spilled <= (64 if dense else 0), f"{spilled} bytes spilled"
+
+
+@pytest.mark.parametrize("coop", [False, True], ids=["ping_pong", "cooperative"])
+def test_gate_up_defaults_compile_without_wgmma_serialisation(coop, tmp_path):
+    meta, ptx = compiled_in_subprocess(f"gate_up-{int(coop)}", tmp_path)
+    assert meta["shared"] <= SM90_SHARED_BYTES
+    assert ptx.count("cp.async.bulk.tensor") >= 3  # the loader's TMA loads (x rows, gate and up columns)
+    serialised, spilled = ptxas_report(ptx, tmp_path)
+    assert not serialised, "ptxas serialises the wgmma instructions (C7515)"
+    assert spilled <= 16, f"{spilled} bytes spilled"
 
 
 @gluon.jit
@@ -134,6 +170,8 @@ if __name__ == "__main__":  # the subprocess of ``compiled_in_subprocess``: <cas
     if case == "planted":
         kernel = compile_sm90(_planted_loop_carried_wgmma, {"X": "*bf16", "Y": "*fp32", "n": "i32"}, {}, ("X", "Y"),
                               num_warps=4)
+    elif case.startswith("gate_up-"):
+        kernel = compile_gate_up_ws(case.endswith("1"))
     else:
         kind, tail = case.split("-")
         kernel = compile_ws_forward(int(tail), kind == "dense")
