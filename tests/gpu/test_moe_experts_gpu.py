@@ -56,19 +56,31 @@ def paths_ran(run, *args) -> tuple:
     return result, set(kernel_tiles.PATH_COUNTS)
 
 
-def expected_paths(kernel, n_rows: int, experts: int, dtype: torch.dtype, ws_gate_up: bool) -> set:
+def expected_paths(kernel, n_rows: int, experts: int, dtype: torch.dtype, ws_gate_up: bool,
+                   ws_d_weight: list[bool]) -> set:
     """What ``kernel.TUNE`` asks for (every test shape here is 16-byte aligned: TMA wherever it is asked for), the
-    gate+up on the warp-specialised kernel (TMA, persistent) where it runs."""
+    gate+up and the weight gradients on the warp-specialised kernels (TMA, persistent) where they run."""
     from fleet_ext.ops.moe_experts import kernel_tiles
 
     name = str(dtype).rsplit(".", 1)[-1]
+    skip = {"gate_up"} if ws_gate_up else set()
+    skip |= {"d_weight"} if all(ws_d_weight) else set()
     paths = {(ROLE_KERNELS[role], "tma" if cfg.tma else "pointer", kernel_tiles.GRID_KINDS[cfg.persistent])
-             for role in ROLE_KERNELS for cfg in [kernel.launch_config(role, n_rows, experts, name)]
-             if not (ws_gate_up and role == "gate_up")}
-    return paths | ({(WS_GATE_UP, "tma", "persistent")} if ws_gate_up else set())
+             for role in ROLE_KERNELS if role not in skip
+             for cfg in [kernel.launch_config(role, n_rows, experts, name)]}
+    paths |= {(WS_GATE_UP, "tma", "persistent")} if ws_gate_up else set()
+    return paths | ({(WS_D_WEIGHT, "tma", "persistent")} if any(ws_d_weight) else set())
 
 
-WS_GATE_UP = "_gate_up_ws_kernel"
+WS_GATE_UP, WS_D_WEIGHT = "_gate_up_ws_kernel", "_d_weight_ws_kernel"
+
+
+def ws_d_weight_runs(kernels, dtype: str, case: str) -> list[bool]:
+    """Which of the two weight gradients (d_weight1: M = D, d_weight2: M = I) take the warp-specialised kernel (bf16,
+    M a multiple of its tile rows, small groups: not ``large_groups``)."""
+    _, dim, inter, _ = CASES[case]
+    return [dtype == "bf16" and case != "large_groups" and m % kernels[1].WS_D_WEIGHT["BM"] == 0
+            for m in (dim, inter)]
 
 
 CASES = {  # name: (counts, D, I, pad rows)
@@ -145,10 +157,12 @@ def test_forward_and_gradients_vs_the_float64_oracle(kernels, case, dtype):
     x, counts, w1, w2, g = make(case, DTYPES[dtype])
     ws = kernels[0].use_ws_gate_up(x, w1)  # bf16, D a multiple of 64, small groups (the defaults' choice)
     assert ws == (dtype == "bf16" and case in ("small_groups", "one_expert_takes_all", "rows_past_the_counts"))
+    ws_dw = ws_d_weight_runs(kernels, dtype, case)
     with expect_launches(WS_GATE_UP if ws else "_grouped_gate_up", "_grouped_d_gate_up", exactly=1), \
-            expect_launches("_grouped_rows_mm", "_grouped_d_weight", exactly=2):
+            expect_launches("_grouped_rows_mm", exactly=2), expect_launches(WS_D_WEIGHT, exactly=sum(ws_dw)), \
+            expect_launches("_grouped_d_weight", exactly=2 - sum(ws_dw)):
         got, ran = paths_ran(fused, kernels, x, counts, w1, w2, g)
-    assert ran == expected_paths(kernels[0], x.shape[0], len(counts), x.dtype, ws)
+    assert ran == expected_paths(kernels[0], x.shape[0], len(counts), x.dtype, ws, ws_dw)
     want = oracle(x, counts, w1, w2, g)
     _check(got, want, dtype, "grouped_experts", f"{case} {dtype} vs float64")
     pad = CASES[case][3]
@@ -184,6 +198,7 @@ def test_load_paths_and_grid_kinds_give_the_same_bytes(kernels, dtype, monkeypat
     gate+up here; the warp-specialised one is compared with it below)."""
     kernel = kernels[0]
     monkeypatch.setattr(kernel, "GATE_UP_KERNEL", "triton")
+    monkeypatch.setattr(kernels[1], "D_WEIGHT_KERNEL", "triton")
     x, counts, w1, w2, g = make(case, DTYPES[dtype], seed=3)
     first = fused(kernels, x, counts, w1, w2, g)
     variants = [(False, 0), (True, 0), (True, 1), (True, 2)] if dtype == "bf16" else [(False, 0), (True, 2)]
@@ -256,3 +271,28 @@ def test_forcing_the_warp_specialised_gate_up_where_it_cannot_run_names_why(kern
     monkeypatch.setattr(kernel, "GATE_UP_KERNEL", "gluon")
     with pytest.raises(ValueError, match="GATE_UP_KERNEL = 'gluon' cannot run here: dtype float32"):
         kernel.gate_up(x, counts, w1, LIMIT)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if CASES[c][1] % 128 == 0])
+def test_warp_specialised_weight_gradient_equals_the_triton_kernel_bitwise(kernels, case, monkeypatch):
+    """bf16: the Gluon weight gradient (``kernel_d_weight_ws.py``) gives the Triton kernel's ``a_e^T b_e`` byte for
+    byte (rows summed in the same order, BK a step; empty experts and rows past the counts included), run to run."""
+    kernel_bwd = kernels[1]
+    x, counts, _, _, g = make(case, torch.bfloat16, seed=5)
+    b = torch.cat([g, g[:, :64]], dim=1)  # NN = D + 64: a partial last column tile
+    want = torch.full((len(counts), x.shape[1], b.shape[1]), 3.0, device=DEVICE, dtype=torch.bfloat16)
+    monkeypatch.setattr(kernel_bwd, "D_WEIGHT_KERNEL", "triton")
+    kernel_bwd.weight_grad(x, b, counts, want)
+    monkeypatch.setattr(kernel_bwd, "D_WEIGHT_KERNEL", "gluon")
+    for attempt in range(2):
+        got = torch.full_like(want, 5.0)
+        with expect_launches(WS_D_WEIGHT, exactly=1):
+            kernel_bwd.weight_grad(x, b, counts, got)
+        assert_bitwise(got, want, f"{case} run {attempt}: a^T b")
+    shifted = counts.clone()  # negative control: one row moved across a segment boundary
+    first = int(torch.nonzero(counts)[0])
+    shifted[first] -= 1
+    shifted[first + 1 if first + 1 < len(counts) else first - 1] += 1
+    kernel_bwd.weight_grad(x, b, shifted, got)
+    with pytest.raises(AssertionError):
+        assert_bitwise(got, want, "planted")

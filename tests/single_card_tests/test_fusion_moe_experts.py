@@ -239,18 +239,23 @@ def test_load_paths_and_grid_kinds_give_the_same_bytes():
         assert_bitwise(planted["out"], first["out"], "planted: one weight one ulp off")
 
 
-def test_the_warp_specialised_gate_up_never_runs_here_and_forcing_it_names_why(monkeypatch):
-    """The Gluon gate+up needs a Hopper GPU: here ``auto`` keeps the Triton kernel (its launch counted), and
-    ``GATE_UP_KERNEL = 'gluon'`` raises naming why (its results are tested on the H200: tests/gpu)."""
-    x, counts, w1, w2, _ = _data(12, 16, 8, 4, 2, "random", 1.0)
-    with expect_launches("_grouped_gate_up", exactly=1), expect_launches("_gate_up_ws_kernel", exactly=0):
-        function.experts(paddle.to_tensor(x), paddle.to_tensor(counts), paddle.to_tensor(w1), paddle.to_tensor(w2),
-                         1.0)
+def test_the_warp_specialised_kernels_never_run_here_and_forcing_them_names_why(monkeypatch):
+    """The Gluon gate+up and weight gradient need a Hopper GPU: here ``auto`` keeps the Triton kernels (their
+    launches counted), and forcing either (``'gluon'``) raises naming why (their results are tested on the H200:
+    tests/gpu/test_moe_experts_gpu.py)."""
+    from fleet_ext.ops.moe_experts import kernel_bwd
+
+    x, counts, w1, w2, g = _data(12, 16, 8, 4, 2, "random", 1.0)
+    with expect_launches("_grouped_gate_up", exactly=1), expect_launches("_grouped_d_weight", exactly=2), \
+            expect_launches("_gate_up_ws_kernel", "_d_weight_ws_kernel", exactly=0):
+        _run(function.experts, x, counts, w1, w2, g, 1.0)
     assert kernel.gate_up_ws_fits(paddle.to_tensor(x), paddle.to_tensor(w1)) == "not a Hopper GPU (sm90)"
-    monkeypatch.setattr(kernel, "GATE_UP_KERNEL", "gluon")
-    with pytest.raises(ValueError, match=r"GATE_UP_KERNEL = 'gluon' cannot run here: not a Hopper GPU \(sm90\)"):
-        function.experts(paddle.to_tensor(x), paddle.to_tensor(counts), paddle.to_tensor(w1), paddle.to_tensor(w2),
-                         1.0)
+    for module, switch in ((kernel, "GATE_UP_KERNEL"), (kernel_bwd, "D_WEIGHT_KERNEL")):
+        with monkeypatch.context() as patch:
+            patch.setattr(module, switch, "gluon")
+            # the weight gradient's error comes through Paddle's backward, which re-raises it as an OSError
+            with pytest.raises((ValueError, OSError), match=switch + r" = 'gluon' cannot run here: not a Hopper GPU"):
+                _run(function.experts, x, counts, w1, w2, g, 1.0)
 
 
 # -- the tiny model, switch off vs on --------------------------------------------------------------------------

@@ -1,17 +1,18 @@
 """The Gluon kernels compiled for sm90 on the CPU, without a GPU: the warp-specialised sparse-attention forward
-(``sparse_attn/kernel_fwd_ws.py``) and grouped gate+up GEMM (``moe_experts/kernel_gate_up_ws.py``).
+(``sparse_attn/kernel_fwd_ws.py``), and the grouped gate+up GEMM and expert weight gradient
+(``moe_experts/kernel_gate_up_ws.py``, ``kernel_d_weight_ws.py``).
 
 They run only on Hopper (their results are tested on the H200 by ``tests/gpu/test_sparse_attn_gpu.py`` and
 ``tests/gpu/test_moe_experts_gpu.py``), but two properties that decide their speed are visible in the compiler's
 output and are checked here, in CI, at their launch defaults (attention: ``kernel_config``'s, sparse and dense
-causal, tail 64 and 0; gate+up: ``kernel.WS_GATE_UP``, ping-pong and cooperative):
+causal, tail 64 and 0; gate+up: ``kernel.WS_GATE_UP``, ping-pong and cooperative; ``kernel_bwd.WS_D_WEIGHT``):
 
 - ptxas does not serialise the wgmma instructions (its performance warning C7515: a wait after every HGMMA). It
   does so when an async wgmma result is carried around a loop next to registers written by other instructions; a
   kernel with that pattern is planted here to show the check catches it;
 - shared memory fits a Hopper block (232,448 bytes) and nothing spills, except the dense mode's few bytes of
   loop-invariant row addresses in the gather warpgroup (read once per block; dense forward at 492-535 TFLOP/s on
-  the H200, ``benchmarks/RESULTS.md``) and the gate+up's few bytes before its partitions start.
+  the H200, ``benchmarks/RESULTS.md``) and the MoE GEMMs' few bytes before their partitions start.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ if __name__ == "__main__":  # the compiling subprocess: kernels built for sm90, 
     capability.prepare_triton(interpreter=False)
 
 from fleet_ext.ops.moe_experts import kernel as moe_kernel  # noqa: E402
+from fleet_ext.ops.moe_experts import kernel_bwd as moe_kernel_bwd  # noqa: E402
+from fleet_ext.ops.moe_experts.kernel_d_weight_ws import _d_weight_ws_kernel  # noqa: E402
 from fleet_ext.ops.moe_experts.kernel_gate_up_ws import _gate_up_ws_kernel  # noqa: E402
 from fleet_ext.ops.sparse_attn import kernel_config  # noqa: E402
 from fleet_ext.ops.sparse_attn.kernel_fwd_ws import _sparse_attn_fwd_ws_kernel  # noqa: E402
@@ -91,6 +94,19 @@ def compile_gate_up_ws(coop: bool):
                         num_warps=4)
 
 
+def compile_d_weight_ws():
+    """The weight gradient at ``kernel_bwd.WS_D_WEIGHT``, bf16: ragged 4-D loads, a 2-D TMA store."""
+    cfg = moe_kernel_bwd.WS_D_WEIGHT
+    blocks = {"a_desc": [1, 1, cfg["BK"], cfg["BM"]], "b_desc": [1, 1, cfg["BK"], cfg["BN"]],
+              "out_desc": [cfg["BM"], cfg["BN"] // 2]}
+    descs = {name: f"tensordesc<bf16[{', '.join(map(str, b))}],"
+                   f"{gl.NVMMASharedLayout.get_default_for(b, gl.bfloat16)!r}>" for name, b in blocks.items()}
+    constexprs = {"E_PAD": 256, **cfg}
+    signature = {**descs, "counts_ptr": "*i64", **{n: "i32" for n in ("N", "M", "NN", "E")},
+                 **{k: "constexpr" for k in constexprs}}
+    return compile_sm90(_d_weight_ws_kernel, signature, constexprs, ("counts_ptr", "M", "NN"), num_warps=4)
+
+
 def compiled_in_subprocess(case: str, tmp_path) -> tuple[dict, str]:
     """Compile ``case`` in a fresh process (this file run as a script) with the interpreter off and an empty Triton
     cache: the CPU suite sets ``TRITON_INTERPRET=1`` before Triton's own jitted helpers are made, and those cannot
@@ -125,14 +141,15 @@ def test_attention_defaults_compile_without_wgmma_serialisation_or_spills(tail, 
     assert spilled <= (64 if dense else 0), f"{spilled} bytes spilled"
 
 
-@pytest.mark.parametrize("coop", [False, True], ids=["ping_pong", "cooperative"])
-def test_gate_up_defaults_compile_without_wgmma_serialisation(coop, tmp_path):
-    meta, ptx = compiled_in_subprocess(f"gate_up-{int(coop)}", tmp_path)
+@pytest.mark.parametrize("case", ["gate_up-0", "gate_up-1", "d_weight"],
+                         ids=["gate_up_ping_pong", "gate_up_cooperative", "d_weight"])
+def test_moe_gemm_defaults_compile_without_wgmma_serialisation(case, tmp_path):
+    meta, ptx = compiled_in_subprocess(case, tmp_path)
     assert meta["shared"] <= SM90_SHARED_BYTES
-    assert ptx.count("cp.async.bulk.tensor") >= 3  # the loader's TMA loads (x rows, gate and up columns)
+    assert ptx.count("cp.async.bulk.tensor") >= 3  # the loader's TMA loads (and the weight gradient's stores)
     serialised, spilled = ptxas_report(ptx, tmp_path)
     assert not serialised, "ptxas serialises the wgmma instructions (C7515)"
-    assert spilled <= 16, f"{spilled} bytes spilled"
+    assert spilled <= 32, f"{spilled} bytes spilled"  # a few bytes before the partitions start
 
 
 @gluon.jit
@@ -170,6 +187,8 @@ if __name__ == "__main__":  # the subprocess of ``compiled_in_subprocess``: <cas
     if case == "planted":
         kernel = compile_sm90(_planted_loop_carried_wgmma, {"X": "*bf16", "Y": "*fp32", "n": "i32"}, {}, ("X", "Y"),
                               num_warps=4)
+    elif case == "d_weight":
+        kernel = compile_d_weight_ws()
     elif case.startswith("gate_up-"):
         kernel = compile_gate_up_ws(case.endswith("1"))
     else:

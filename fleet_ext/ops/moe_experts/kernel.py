@@ -285,21 +285,13 @@ def use_ws_gate_up(rows: Any, weight1: Any) -> bool:
 
 
 def _launch_ws_gate_up(rows: Any, counts: Any, weight1: Any, gate_up_out: Any, h: Any, limit: float) -> None:
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
-
     from fleet_ext.ops.moe_experts.kernel_gate_up_ws import _gate_up_ws_kernel
 
     n_rows, dim = shape_of(rows)
     experts, two_i = shape_of(weight1)[0], shape_of(weight1)[2]
     cfg = WS_GATE_UP
-    elem = gl.bfloat16 if dtype_name(rows) == "bfloat16" else gl.float16
-    x, w = torch_view(rows), torch_view(weight1).reshape(experts * dim, two_i)
-    x_block, w_block = [cfg["BM"], cfg["BK"]], [cfg["BK"], cfg["BN"]]
-    x_desc = GluonDescriptor(x, shape_of(x), strides_of(x), x_block,
-                             gl.NVMMASharedLayout.get_default_for(x_block, elem))
-    w_desc = GluonDescriptor(w, shape_of(w), strides_of(w), w_block,
-                             gl.NVMMASharedLayout.get_default_for(w_block, elem))
+    x_desc = descriptor(rows, [cfg["BM"], cfg["BK"]], gluon=True)
+    w_desc = descriptor(torch_view(weight1).reshape(experts * dim, two_i), [cfg["BK"], cfg["BN"]], gluon=True)
     tiles = (triton.cdiv(n_rows, cfg["BM"]) + experts) * triton.cdiv(two_i // 2, cfg["BN"])
     count_path(_gate_up_ws_kernel, True, 1)
     launch(_gate_up_ws_kernel, (grid_size(True, _grouped_gate_up, tiles),), x_desc, w_desc, counts, gate_up_out, h,

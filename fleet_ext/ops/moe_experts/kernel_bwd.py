@@ -26,8 +26,10 @@ from typing import Any
 import triton
 import triton.language as tl
 
-from fleet_ext.ops.launch import detached, dtype_name, empty_like, launch, shape_of, strides_of
+from fleet_ext import capability
+from fleet_ext.ops.launch import detached, dtype_name, empty_like, launch, shape_of, strides_of, torch_view
 from fleet_ext.ops.moe_experts.kernel import (
+    SMALL_GROUP_ROWS,
     check_args,
     dot_precision,
     experts_pad,
@@ -43,17 +45,13 @@ from fleet_ext.ops.moe_experts.kernel_tiles import (
     _segments,
     _swiglu,
     _tile_coords,
+    _weight_tile,
     count_path,
     descriptor,
     grid_size,
     ragged_descriptor,
     tma_route,
 )
-
-
-@triton.jit
-def _add2(a0, a1, b0, b1):
-    return a0 + b0, a1 + b1
 
 
 @triton.jit
@@ -133,10 +131,7 @@ def _grouped_d_weight(a_ptr, a_desc, b_ptr, b_desc, counts_ptr, out_ptr, out_des
     tiles_n = tl.cdiv(NN, BN)
     per_expert = tl.cdiv(M, BM) * tiles_n
     for tile_id in tl.range(tl.program_id(0), E * per_expert, tl.num_programs(0), flatten=FLATTEN):
-        e = tile_id // per_expert
-        m0 = ((tile_id % per_expert) // tiles_n) * BM
-        n0 = (tile_id % tiles_n) * BN
-        start, count = tl.reduce((tl.where(ex == e, start_e, 0), tl.where(ex == e, rows_e, 0)), 0, _add2)
+        e, m0, n0, start, count = _weight_tile(tile_id, ex, start_e, rows_e, per_expert, tiles_n, BM, BN)
         ms = m0 + tl.arange(0, BM)
         ns = n0 + tl.arange(0, BN)
         acc = tl.zeros([BM, BN], dtype=tl.float32)
@@ -197,8 +192,63 @@ def gate_up_backward(d_out: Any, counts: Any, weight2: Any, gate_up: Any, limit:
     return d_gate_up, h
 
 
+# The warp-specialised weight gradient (``kernel_d_weight_ws.py``) on Hopper: "auto" where it fits and measured
+# faster (small groups: dW1 + dW2 at 396 vs the Triton kernel's 315 TFLOP/s at 256 experts; at 32 experts Triton's
+# 616 beat its 586, H200, benchmarks/RESULTS.md), "triton" never, "gluon" always (an error names why it cannot run).
+# Its launch setting: output tile rows / columns (each MMA warpgroup takes half the columns), rows per K step,
+# pipeline stages, registers of the MMA warpgroups / loader.
+D_WEIGHT_KERNEL = "auto"
+WS_D_WEIGHT = {"BM": 128, "BN": 256, "BK": 64, "STAGES": 3, "MMA_REGS": 232, "LOADER_REGS": 40}
+
+
+def d_weight_ws_fits(a: Any, b: Any, out: Any) -> str | None:
+    """None when the warp-specialised weight gradient can run this call, else why not (the Triton kernel's reason)."""
+    cap = capability.detect()
+    if cap.interpreter or not cap.gpu or cap.sm is None or cap.sm[0] != 9:
+        return "not a Hopper GPU (sm90)"
+    if dtype_name(a) not in ("bfloat16", "float16"):
+        return f"dtype {dtype_name(a)} (needs bf16/fp16)"
+    if shape_of(a)[1] % WS_D_WEIGHT["BM"]:
+        return f"M {shape_of(a)[1]} not a multiple of {WS_D_WEIGHT['BM']} (output tiles of one expert)"
+    if not tma_route(_grouped_d_weight, a, b, out):
+        return "tensors TMA cannot address (16-byte aligned torch tensors needed)"
+    return None
+
+
+def use_ws_d_weight(a: Any, b: Any, out: Any) -> bool:
+    """Whether ``weight_grad`` runs the warp-specialised kernel on these tensors (``D_WEIGHT_KERNEL``)."""
+    n_rows, experts = shape_of(a)[0], shape_of(out)[0]
+    if D_WEIGHT_KERNEL == "triton" or n_rows == 0:
+        return False
+    if D_WEIGHT_KERNEL == "auto" and n_rows >= SMALL_GROUP_ROWS * experts:
+        return False
+    why_not = d_weight_ws_fits(a, b, out)
+    if D_WEIGHT_KERNEL == "gluon" and why_not is not None:
+        raise ValueError(f"moe_experts: kernel_bwd.D_WEIGHT_KERNEL = 'gluon' cannot run here: {why_not}")
+    return why_not is None
+
+
+def _launch_ws_d_weight(a: Any, b: Any, counts: Any, out: Any) -> None:
+    from fleet_ext.ops.moe_experts.kernel_d_weight_ws import _d_weight_ws_kernel
+
+    n_rows, m = shape_of(a)
+    nn, experts = shape_of(b)[1], shape_of(counts)[0]
+    cfg = WS_D_WEIGHT
+    a_desc = ragged_descriptor(a, cfg["BK"], cfg["BM"], gluon=True)
+    b_desc = ragged_descriptor(b, cfg["BK"], cfg["BN"], gluon=True)
+    out_desc = descriptor(torch_view(out).reshape(experts * m, nn), [cfg["BM"], cfg["BN"] // 2], gluon=True)
+    tiles = experts * (m // cfg["BM"]) * triton.cdiv(nn, cfg["BN"])
+    count_path(_d_weight_ws_kernel, True, 1)
+    launch(_d_weight_ws_kernel, (grid_size(True, _grouped_d_weight, tiles),), a_desc, b_desc, out_desc, counts,
+           n_rows, m, nn, experts, E_PAD=experts_pad(experts), num_warps=4, **cfg)
+
+
 def weight_grad(a: Any, b: Any, counts: Any, out: Any) -> None:
-    """``out[e] = a_e^T @ b_e`` (``_grouped_d_weight``): a [N, M], b [N, NN], out [E, M, NN] contiguous."""
+    """``out[e] = a_e^T @ b_e`` (``_grouped_d_weight``, or its warp-specialised form on Hopper): a [N, M], b [N, NN],
+    out [E, M, NN] contiguous."""
+    if use_ws_d_weight(a, b, out):
+        _launch_ws_d_weight(a, b, counts, out)
+        return
     n_rows, m = shape_of(a)
     nn, experts = shape_of(b)[1], shape_of(counts)[0]
     cfg = launch_config("d_weight", n_rows, experts, dtype_name(a))

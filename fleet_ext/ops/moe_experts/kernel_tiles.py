@@ -81,6 +81,22 @@ def _locate(tile, ex, start, rows, tile_start, tile_end, total, expert_tiles, N,
 
 
 @triton.jit
+def _add2(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
+def _weight_tile(tile_id, ex, start_e, rows_e, per_expert, tiles_n, BM: tl.constexpr, BN: tl.constexpr):
+    """(expert, first row of the output tile, first column, the expert's first input row, its rows) of weight-gradient
+    tile ``tile_id`` (expert-major, then row tiles, then column tiles: an expert's rows stay in L2 for its tiles)."""
+    e = tile_id // per_expert
+    m0 = ((tile_id % per_expert) // tiles_n) * BM
+    n0 = (tile_id % tiles_n) * BN
+    start, count = tl.reduce((tl.where(ex == e, start_e, 0), tl.where(ex == e, rows_e, 0)), 0, _add2)
+    return e, m0, n0, start, count
+
+
+@triton.jit
 def _tile_coords(tile_id, m_tiles, n_tiles, GROUP_M: tl.constexpr):
     """(row tile, column tile) of ``tile_id``: ``GROUP_M`` row tiles sweep the column tiles together."""
     in_group = GROUP_M * n_tiles
@@ -177,13 +193,26 @@ def tma_route(kernel: Any, *tensors: Any) -> bool:
     return True
 
 
-def descriptor(tensor: Any, block: list[int]) -> TensorDescriptor:
-    """A host TMA descriptor of the whole (contiguous-last-dimension) tensor, loading ``block`` tiles."""
+def _make_descriptor(base: Any, shape: list[int], strides: list[int], block: list[int], gluon: bool) -> Any:
+    """Triton's host TensorDescriptor, or with ``gluon`` Gluon's, which carries the shared-memory layout its kernel
+    allocates (the default NVMMA swizzle for ``block``)."""
+    if not gluon:
+        return TensorDescriptor(base, shape, strides, block)
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    elem = {"bfloat16": gl.bfloat16, "float16": gl.float16, "float32": gl.float32}[str(base.dtype).rsplit(".", 1)[-1]]
+    return GluonDescriptor(base, shape, strides, block, gl.NVMMASharedLayout.get_default_for(block, elem))
+
+
+def descriptor(tensor: Any, block: list[int], gluon: bool = False) -> Any:
+    """A host TMA descriptor of the whole (contiguous-last-dimension) tensor, loading ``block`` tiles (for a Gluon
+    kernel with ``gluon``)."""
     base = torch_view(tensor)
-    return TensorDescriptor(base, shape_of(base), strides_of(base), list(block))
+    return _make_descriptor(base, shape_of(base), strides_of(base), list(block), gluon)
 
 
-def ragged_descriptor(tensor: Any, block_rows: int, block_cols: int) -> TensorDescriptor:
+def ragged_descriptor(tensor: Any, block_rows: int, block_cols: int, gluon: bool = False) -> Any:
     """A descriptor of the 2-D ``tensor`` [N, C] for :func:`_load_ragged`: two leading dimensions of strides
     ``2**34 - s`` and ``s`` (``s`` the row stride) wrap the 64-bit address so that coordinates
     ``(2**30, start + rows, 2**30 - rows + r)`` address row ``start + r``, and the row extent ``2**30`` makes
@@ -194,7 +223,7 @@ def ragged_descriptor(tensor: Any, block_rows: int, block_cols: int) -> TensorDe
         raise ValueError(f"moe_experts: a ragged descriptor holds at most 2**30 rows, got {rows}")
     stride = strides_of(base)[0]
     shape = [RAGGED_OUTER, RAGGED_OUTER, RAGGED_ROWS.value, cols]
-    return TensorDescriptor(base, shape, [2**34 - stride, stride, stride, 1], [1, 1, block_rows, block_cols])
+    return _make_descriptor(base, shape, [2**34 - stride, stride, stride, 1], [1, 1, block_rows, block_cols], gluon)
 
 
 _PROGRAMS: list[int] = []
