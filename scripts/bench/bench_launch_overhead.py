@@ -19,6 +19,10 @@ them: five alternating rounds of the op and the bare launch, median of each (the
 - device µs of eager torch, ``torch.compile`` of it, and the fused op at the same tiny shape
   (``triton.testing.do_bench`` medians) and the fused op's device time over torch.compile's (goal: ≤ 1, never
   slower), with torch.compile's host µs per call beside it.
+
+The q norm and prologue rows time the training path: the forward with ``keep_r=False`` (one output; the backward
+recomputes ``r``). ``--recompute`` also prints the device µs, at the production shapes, of those forwards with
+and without ``r`` and of their backwards reading ``r`` or recomputing it (what the one output costs the device).
 """
 
 from __future__ import annotations
@@ -135,11 +139,12 @@ def cases() -> list[dict]:
         dict(name="rope in place", fused=lambda: rope.rope_(q_work, cos, sin), eager=eager_rope_inplace,
              reset=lambda: q_work.copy_(q)),
         dict(name="kv remap", fused=lambda: remap.local_to_global_flat(idx, SEQLEN_KV), eager=eager_remap),
-        dict(name="q rms norm fwd", fused=lambda: q_norm.q_rms_norm_fused(q, EPS), eager=lambda: _eager_norm(q, None)),
+        dict(name="q rms norm fwd", fused=lambda: q_norm.q_rms_norm_fused(q, EPS, keep_r=False),
+             eager=lambda: _eager_norm(q, None)),
         dict(name="sink grad", fused=lambda: sink.sink_grad(d_out, out, lse, sink_t), eager=eager_sink),
-        dict(name="qkv prologue q fwd", fused=lambda: prologue.norm_rope_fused(q, EPS, cos, sin),
+        dict(name="qkv prologue q fwd", fused=lambda: prologue.norm_rope_fused(q, EPS, cos, sin, keep_r=False),
              eager=lambda: eager_rope(_eager_norm(q, None), cos, sin)),
-        dict(name="qkv prologue kv fwd", fused=lambda: prologue.norm_rope_fused(kv, EPS, cos, sin, w),
+        dict(name="qkv prologue kv fwd", fused=lambda: prologue.norm_rope_fused(kv, EPS, cos, sin, w, keep_r=False),
              eager=lambda: eager_rope(_eager_norm(kv, w), cos, sin)),
         dict(name="inv-rope-postmix fast fwd", fused=lambda: postmix.forward(out, cos, sin, mix),
              eager=lambda: torch.matmul(mix.to(out.dtype), eager_rope(out, cos, sin, inverse=True))),
@@ -276,6 +281,41 @@ def measure(compile_on: bool = True, profile_dir: str | None = None) -> tuple[di
     return base, [run_case(case, compile_on) for case in cases()]
 
 
+def recompute_device_us(seq: int = 16384) -> list[dict]:
+    """Device µs (``do_bench`` medians) at the production shapes (q [1, seq, 64, 512], kv [1, seq, 512], bf16, pe
+    64) of the q norm and prologue forwards writing ``r`` or not, and of their backwards reading ``r`` or
+    recomputing it from x (the backward's extra sum of squares and its registers)."""
+    pos = torch.arange(seq, dtype=torch.float64, device="cuda")[:, None]
+    angles = pos / (10000.0 ** (torch.arange(HALF, dtype=torch.float64, device="cuda") / HALF))
+    cos, sin = torch.cos(angles).float(), torch.sin(angles).float()
+    q, dq = (torch.randn(1, seq, 64, D, device="cuda").to(torch.bfloat16) for _ in range(2))
+    kv, dkv = (torch.randn(1, seq, D, device="cuda").to(torch.bfloat16) for _ in range(2))
+    w = torch.rand(D, device="cuda") + 0.5
+    ops = [
+        ("q rms norm", lambda keep: q_norm.q_rms_norm_fused(q, EPS, keep_r=keep),
+         lambda r: q_norm.q_rms_norm_bwd(dq, q, r, eps=EPS if r is None else None)),
+        ("qkv prologue q", lambda keep: prologue.norm_rope_fused(q, EPS, cos, sin, keep_r=keep),
+         lambda r: prologue.norm_rope_bwd(dq, q, r, cos, sin, eps=EPS if r is None else None)),
+        ("qkv prologue kv", lambda keep: prologue.norm_rope_fused(kv, EPS, cos, sin, w, keep_r=keep),
+         lambda r: prologue.norm_rope_bwd(dkv, kv, r, cos, sin, w, eps=EPS if r is None else None)),
+    ]
+    rows = []
+    for name, fwd, bwd in ops:
+        r = fwd(True)[1]
+        same = all(torch.equal(a, b) for a, b in zip(_outputs(bwd(r)), _outputs(bwd(None))))
+        rows.append(dict(name=name, fwd_r_us=device_us(lambda f=fwd: f(True)),
+                         fwd_no_r_us=device_us(lambda f=fwd: f(False)), bwd_read_us=device_us(lambda b=bwd, r=r: b(r)),
+                         bwd_recompute_us=device_us(lambda b=bwd: b(None)), same=same))
+    return rows
+
+
+def print_recompute(rows: list[dict]) -> None:
+    print(f"{'production shape, device us':28} {'fwd r':>8} {'fwd no r':>8} {'bwd read':>8} {'bwd recompute':>13} same")
+    for r in rows:
+        print(f"{r['name']:28} {r['fwd_r_us']:8.1f} {r['fwd_no_r_us']:8.1f} {r['bwd_read_us']:8.1f} "
+              f"{r['bwd_recompute_us']:13.1f} {r['same']}")
+
+
 def print_table(base: dict, rows: list[dict]) -> None:
     print(f"{'baseline':34} {'host us':>8}")
     for name, us in base.items():
@@ -296,13 +336,24 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines")
     parser.add_argument("--profile", action="store_true", help="also write a cProfile of each op (profile.txt)")
+    parser.add_argument("--recompute", action="store_true",
+                        help="also time the norms' forwards with / without r and backwards reading / recomputing it")
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
     print(f"{props.name}, torch {torch.__version__}, triton {triton.__version__}; tiny shapes: q [{B},{S},{H},{D}] "
           f"bf16, pe {2 * HALF}, kv [{B},{S},{D}], remap [{B},{S},640] int32")
     base, rows = measure(not args.no_compile, args.out if args.profile else None)
+    recompute = []
+    if args.recompute:
+        try:
+            recompute = recompute_device_us()
+        except Exception as exc:  # report, do not hide; the main table still prints
+            print(f"--recompute failed: {type(exc).__name__}: {exc}")
     with open(os.path.join(args.out, "bench_launch_overhead.json"), "w") as fh:
-        json.dump({"gpu": props.name, "baselines_us": base, "rows": rows}, fh, indent=1)
+        json.dump({"gpu": props.name, "baselines_us": base, "rows": rows, "recompute_device_us": recompute}, fh,
+                  indent=1)
+    if recompute:
+        print_recompute(recompute)
     print_table(base, rows)
 
 

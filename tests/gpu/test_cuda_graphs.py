@@ -122,6 +122,15 @@ def _cases() -> dict:
         r = prologue.norm_rope_fused(x, 1e-6, cos, sin, w)[1].clone()
         return [x, dy], lambda: prologue.norm_rope_bwd(dy, x, r, cos, sin, w)
 
+    def q_bwd_recomputed():  # the training path: no r kept, the backward recomputes it from q
+        q, dy = x4(), x4()
+        return [q, dy], lambda: q_norm.q_rms_norm_bwd(dy, q, None, eps=1e-6)
+
+    def prologue_bwd_recomputed(kv: bool):
+        x, dy = (kv3(), kv3()) if kv else (x4(), x4())
+        w = (torch.rand(d, device=DEV) + 0.5) if kv else None
+        return [x, dy], lambda: prologue.norm_rope_bwd(dy, x, None, cos, sin, w, eps=1e-6)
+
     def postmix_case(backward: bool):
         out, grad = x4(), x4()
         mix = torch.eye(h, device=DEV) + 0.1 * torch.randn(h, h, device=DEV)
@@ -148,6 +157,9 @@ def _cases() -> dict:
         "kv_idx_remap": (["_kv_idx_remap_kernel"], lambda: _remap_case(remap, s)),
         "q_rms_norm fwd": (["_q_rms_norm_fwd_kernel"], simple(x4, lambda x: q_norm.q_rms_norm_fused(x, 1e-6))),
         "q_rms_norm bwd": (["_q_rms_norm_bwd_kernel"], q_bwd),
+        "q_rms_norm fwd (no r)": (["_q_rms_norm_fwd_kernel"], simple(x4, lambda x: q_norm.q_rms_norm_fused(
+            x, 1e-6, keep_r=False))),
+        "q_rms_norm bwd (r recomputed)": (["_q_rms_norm_bwd_kernel"], q_bwd_recomputed),
         "sink_grad": (SINK, lambda: _sink_case(sink, b, s, h, d, False)),
         "sink_grad (d_lse)": (SINK, lambda: _sink_case(sink, b, s, h, d, True)),
         "qkv q fwd": (["_norm_rope_fwd_kernel"], simple(x4, lambda x: prologue.norm_rope_fused(x, 1e-6, cos, sin))),
@@ -155,6 +167,11 @@ def _cases() -> dict:
             x, 1e-6, cos, sin, torch.ones(d, device=DEV)))),
         "qkv q bwd": (["_norm_rope_bwd_kernel"], lambda: prologue_bwd(False)),
         "qkv kv bwd": (["_norm_rope_bwd_kernel", "_dw_reduce_kernel"], lambda: prologue_bwd(True)),
+        "qkv kv fwd (no r)": (["_norm_rope_fwd_kernel"], simple(kv3, lambda x: prologue.norm_rope_fused(
+            x, 1e-6, cos, sin, torch.ones(d, device=DEV), keep_r=False))),
+        "qkv q bwd (r recomputed)": (["_norm_rope_bwd_kernel"], lambda: prologue_bwd_recomputed(False)),
+        "qkv kv bwd (r recomputed)": (["_norm_rope_bwd_kernel", "_dw_reduce_kernel"],
+                                      lambda: prologue_bwd_recomputed(True)),
         "inv_rope_postmix fast fwd": (["_postmix_fast_fwd_kernel"], lambda: postmix_case(False)),
         "inv_rope_postmix fast bwd": (["_postmix_fast_bwd_kernel", "_postmix_fast_reduce_kernel"],
                                       lambda: postmix_case(True)),
@@ -166,7 +183,9 @@ def _cases() -> dict:
 
 CASES = [  # _cases()'s names (listed here so that collection builds no tensor)
     "rope", "rope_ (in place)", "rope_grad", "rope_tail", "kv_idx_remap", "q_rms_norm fwd", "q_rms_norm bwd",
-    "sink_grad", "sink_grad (d_lse)", "qkv q fwd", "qkv kv fwd", "qkv q bwd", "qkv kv bwd",
+    "q_rms_norm fwd (no r)", "q_rms_norm bwd (r recomputed)",
+    "sink_grad", "sink_grad (d_lse)", "qkv q fwd", "qkv kv fwd", "qkv q bwd", "qkv kv bwd", "qkv kv fwd (no r)",
+    "qkv q bwd (r recomputed)", "qkv kv bwd (r recomputed)",
     "inv_rope_postmix fast fwd", "inv_rope_postmix fast bwd", "inv_rope_postmix bitwise fwd", "sparse_attn fwd",
     "sparse_attn bwd",
 ]

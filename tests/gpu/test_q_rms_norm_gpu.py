@@ -18,6 +18,9 @@ Skipped without CUDA.
   ulps); ``dx`` within 1e-5 (fp32) / 1e-2 (bf16, the output rounding is 2^-9 relative) of the largest
   ``|dx|`` (the ``q_rms_norm_*`` entries of tests/helpers/tolerances.py).
 - Determinism: two runs byte-identical.
+- **r recomputed** (the training path: ``q_rms_norm_fused(.., keep_r=False)`` writes only ``y``; the backward
+  given ``r=None`` recomputes ``r``): on every shape above, the backward's ``r`` (``r_out``) equals the
+  forward's byte for byte and its ``dx`` equals eager torch's; a backward with another eps is caught.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import assert_bitwise, assert_close
+from helpers import assert_bitwise, assert_close, expect_launches
 from helpers.gpu import CUDA_ONLY
 
 from fleet_ext import capability
@@ -97,7 +100,27 @@ def test_forward_and_backward_bitwise_vs_eager_torch(kernel, shape, what, dtype)
     assert_bitwise(r, eager_r(x), f"r {what} {dtype}")
     assert_bitwise(y, eager(x), f"y {what} {dtype}")
     dx = kernel.q_rms_norm_bwd(g, x, r)
-    assert_bitwise(dx, eager_grad(x, g), f"dx {what} {dtype}")
+    dx_eager = eager_grad(x, g)
+    assert_bitwise(dx, dx_eager, f"dx {what} {dtype}")
+    _check_recomputed_r(kernel, x, g, y, r, dx_eager, f"{what} {dtype}")
+
+
+def _check_recomputed_r(kernel, x, g, y, r, dx_eager, what: str) -> None:
+    """The training path: the forward without ``r`` (same ``y``, launched once), the backward recomputing it: its
+    ``r`` is the forward's byte for byte, its ``dx`` eager torch's; a planted eps in the backward is caught."""
+    assert kernel.recomputes_r(x.shape[-1], kernel.default_order(x)), what
+    with expect_launches("_q_rms_norm_fwd_kernel", "_q_rms_norm_bwd_kernel", exactly=1):
+        y_no_r, no_r = kernel.q_rms_norm_fused(x, EPS, keep_r=False)
+        r_bwd = torch.full_like(r, -1.0)  # poisoned: every row must be written
+        dx = kernel.q_rms_norm_bwd(g, x, None, eps=EPS, r_out=r_bwd)
+    assert no_r is None, what
+    assert_bitwise(y_no_r, y, f"y without r {what}")
+    assert_bitwise(r_bwd, r, f"the backward's recomputed r vs the forward's {what}")
+    assert_bitwise(dx, dx_eager, f"dx, r recomputed {what}")
+    planted = torch.full_like(r, -1.0)
+    kernel.q_rms_norm_bwd(g, x, None, eps=1e-2, r_out=planted)
+    with pytest.raises(AssertionError):
+        assert_bitwise(planted, r, f"planted: another eps {what}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -107,7 +130,9 @@ def test_production_shape_bitwise(kernel, dtype):
     y, r = kernel.q_rms_norm_fused(x, EPS)
     assert_bitwise(y, eager(x), "y production")
     dx = kernel.q_rms_norm_bwd(g, x, r)
-    assert_bitwise(dx, eager_grad(x, g), "dx production")
+    dx_eager = eager_grad(x, g)
+    assert_bitwise(dx, dx_eager, "dx production")
+    _check_recomputed_r(kernel, x, g, y, r, dx_eager, "production")
 
 
 def test_the_order_matters(kernel):

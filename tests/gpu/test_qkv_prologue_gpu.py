@@ -19,6 +19,13 @@ Skipped without CUDA.
   row block, a short last block, the partials' reduction in one or several steps) and in dedicated programs:
   dx bitwise vs eager torch, dw within ``kv_prologue_dw``, byte-identical run to run, the backward kernel and
   the partials' reduction each launched once a call.
+- **r recomputed** (the training path: ``norm_rope_fused(.., keep_r=False)`` writes only ``y``; the backward given
+  ``r=None`` recomputes ``r``): on every q and kv shape above and the production shapes, the backward's ``r``
+  (``r_out``) equals the forward's byte for byte and its ``dx`` eager torch's; its ``dw`` is within
+  ``kv_prologue_dw`` and byte-identical run to run, but not bitwise the ``dw`` computed with the forward's ``r``
+  (the H200, 2026-12-01: 1-2 fp32 ulps apart on some columns; each kernel variant's ``tl.sum`` over a block's rows
+  follows the register layout the compiler chose for it); a backward with another eps is caught. The kv plan with
+  dedicated gain programs keeps ``r``.
 """
 
 from __future__ import annotations
@@ -115,6 +122,30 @@ def test_q_bitwise_vs_eager_torch(kernel, shape, rd, what, dtype):
     dx, dw = kernel.norm_rope_bwd(g, x, r, cos, sin)
     assert dw is None
     assert_bitwise(dx, eager_grads(x, g, cos, sin)[0], f"dx {what} {dtype}")
+    _check_recomputed_r(kernel, x, g, cos, sin, None, y, r, dx, None, f"{what} {dtype}")
+
+
+def _check_recomputed_r(kernel, x, g, cos, sin, w, y, r, dx, dw_eager, what: str) -> None:
+    """The training path: the forward without ``r`` (same ``y``), the backward recomputing it (one backward launch,
+    plus the gain's reduction for kv): its ``r`` is the forward's byte for byte, ``dx`` the one computed with the
+    forward's ``r`` (already checked against eager torch), ``dw`` within its tolerance and deterministic; a planted
+    eps is caught."""
+    assert kernel.recomputes_r(x.shape[-1], kernel.default_order(x), w is not None), what
+    with expect_launches("_norm_rope_fwd_kernel", "_norm_rope_bwd_kernel", exactly=1):
+        y_no_r, no_r = kernel.norm_rope_fused(x, EPS, cos, sin, w, keep_r=False)
+        r_bwd = torch.full_like(r, -1.0)  # poisoned: every row must be written
+        dx_rc, dw_rc = kernel.norm_rope_bwd(g, x, None, cos, sin, w, eps=EPS, r_out=r_bwd)
+    assert no_r is None, what
+    assert_bitwise(y_no_r, y, f"y without r {what}")
+    assert_bitwise(r_bwd, r, f"the backward's recomputed r vs the forward's {what}")
+    assert_bitwise(dx_rc, dx, f"dx, r recomputed {what}")
+    if w is not None:
+        _dw_checks(kernel, dw_rc, dw_eager, x, g, r, cos, sin, f"r recomputed {what}")
+        assert_bitwise(kernel.norm_rope_bwd(g, x, None, cos, sin, w, eps=EPS)[1], dw_rc, f"dw run to run {what}")
+    planted = torch.full_like(r, -1.0)
+    kernel.norm_rope_bwd(g, x, None, cos, sin, w, eps=1e-2, r_out=planted)
+    with pytest.raises(AssertionError):
+        assert_bitwise(planted, r, f"planted: another eps {what}")
 
 
 def _dw_checks(kernel, dw, dw_eager, x, g, r, cos, sin, what: str) -> None:
@@ -145,6 +176,7 @@ def test_kv_vs_eager_torch_and_the_oracle(kernel, shape, rd, what, dtype):
     assert_bitwise(dx, dx_eager, f"dx {what} {dtype}")
     _dw_checks(kernel, dw, dw_eager, x, g, r, cos, sin, f"{what} {dtype}")
     assert_bitwise(kernel.norm_rope_bwd(g, x, r, cos, sin, w)[1], dw, f"dw run to run {what}")
+    _check_recomputed_r(kernel, x, g, cos, sin, w, y, r, dx, dw_eager, f"{what} {dtype}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -154,8 +186,10 @@ def test_production_shapes(kernel, dtype):
     x, g, _ = make((1, 16384, 64, 512), dtype, seed=7)
     y, r = kernel.norm_rope_fused(x, EPS, cos, sin)
     assert_bitwise(y, eager(x, cos, sin)[0], "q y production")
-    assert_bitwise(kernel.norm_rope_bwd(g, x, r, cos, sin)[0], eager_grads(x, g, cos, sin)[0], "q dx production")
-    del x, g, y, r
+    dx = kernel.norm_rope_bwd(g, x, r, cos, sin)[0]
+    assert_bitwise(dx, eager_grads(x, g, cos, sin)[0], "q dx production")
+    _check_recomputed_r(kernel, x, g, cos, sin, None, y, r, dx, None, "q production")
+    del x, g, y, r, dx
     torch.cuda.empty_cache()
     x, g, w = make((1, 16384, 512), dtype, seed=8, gain=True)
     y, r = kernel.norm_rope_fused(x, EPS, cos, sin, w)
@@ -164,6 +198,7 @@ def test_production_shapes(kernel, dtype):
     dx_eager, dw_eager = eager_grads(x, g, cos, sin, w)
     assert_bitwise(dx, dx_eager, "kv dx production")
     _dw_checks(kernel, dw, dw_eager, x, g, r, cos, sin, "production")
+    _check_recomputed_r(kernel, x, g, cos, sin, w, y, r, dx, dw_eager, "kv production")
 
 
 def test_the_order_matters(kernel):
@@ -249,6 +284,7 @@ def test_kv_backward_plans(kernel, monkeypatch, settings, fused, dtype):
         dx_2, dw_2 = kernel.norm_rope_bwd(g, x, r, cos, sin, w)
     plan = next(p for k, p in kernel._BWD_PLANS.items() if k[0] == kernel.layout_key(g) and k[-1] == kernel._tuning())
     assert plan.meta["DW_FUSED"] is fused and plan.info[2] > 1, (plan.meta, plan.info)
+    assert (kernel.norm_rope_fused(x, EPS, cos, sin, w, keep_r=False)[1] is None) is fused  # dedicated: r kept
     dx_eager, dw_eager = eager_grads(x, g, cos, sin, w)
     assert_bitwise(dx, dx_eager, f"dx {settings} {dtype}")
     _dw_checks(kernel, dw, dw_eager, x, g, r, cos, sin, f"{settings} {dtype}")

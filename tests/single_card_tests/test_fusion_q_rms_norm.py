@@ -320,3 +320,81 @@ def test_one_pass_and_streamed_kernels_agree():
         kernel.MAX_TILES = streamed
     for a, b, what in ((y, y2, "y"), (r, r2, "r"), (dx, dx2, "dx")):
         assert_bitwise(a.numpy(), b.numpy(), what)
+
+
+# (lead, d): the one-pass kernels unvectorised (4 accumulators by step) with one and with two chunks, with a
+# tail, vectorised over 4 chunks, and 5 chunks at 576 (unrolled past 4)
+RECOMPUTE_CASES = [((1, 2, 8), 64), ((2, 3, 4), 100), ((1, 3, 7), 33), ((1, 4, 4), 512), ((1, 2, 8), 576)]
+
+
+@pytest.mark.parametrize("lead, d", RECOMPUTE_CASES)
+def test_backward_recomputes_the_forwards_r_bitwise(lead, d):
+    """Torch order, one-pass kernels (CPU interpreter, fp32): the forward without ``r`` (``keep_r=False``) writes
+    the same ``y``; the backward given ``r=None`` recomputes ``r`` equal to the forward's byte for byte (written
+    to ``r_out``) and the same ``dx`` as with the forward's ``r``. A backward with another eps (a planted
+    difference) gives another ``r``, which the comparison catches."""
+    rng = np.random.default_rng(d + 3)
+    x = torch.from_numpy((rng.standard_normal(lead + (d,)) * rng.uniform(0.1, 10, lead + (1,))).astype(F32))
+    g = torch.from_numpy(rng.standard_normal(lead + (d,)).astype(F32))
+    order = kernel.torch_cuda_order(int(np.prod(lead)), d)
+    assert kernel.recomputes_r(d, order)
+    with expect_launches(FWD, exactly=2), expect_launches(BWD, exactly=2):
+        y, r = kernel.q_rms_norm_fused(x, EPS, order)
+        y_no_r, no_r = kernel.q_rms_norm_fused(x, EPS, order, keep_r=False)
+        dx = kernel.q_rms_norm_bwd(g, x, r, order)
+        r_bwd = torch.full_like(r, -1.0)  # poisoned: every row must be written
+        dx_rc = kernel.q_rms_norm_bwd(g, x, None, order, eps=EPS, r_out=r_bwd)
+    assert no_r is None
+    assert_bitwise(y_no_r, y, "y without r")
+    assert_bitwise(r_bwd, r, "the backward's recomputed r vs the forward's")
+    assert_bitwise(dx_rc, dx, "dx with r recomputed vs read")
+    planted = torch.full_like(r, -1.0)
+    kernel.q_rms_norm_bwd(g, x, None, order, eps=1e-2, r_out=planted)
+    with pytest.raises(AssertionError):
+        assert_bitwise(planted, r, "planted: another eps in the backward")
+
+
+def test_recomputing_r_needs_eps_and_a_one_pass_plan(monkeypatch):
+    """The streamed kernels (and the Paddle CPU order) keep and read ``r``: ``keep_r=False`` still returns it there,
+    and a backward without ``r`` raises; so does one without the forward's ``eps``, and ``r_out`` beside an ``r``."""
+    x, g = torch.randn(1, 2, 3, 64), torch.randn(1, 2, 3, 64)
+    order = kernel.torch_cuda_order(6, 64)
+    with pytest.raises(ValueError, match=r"needs the forward's `eps`"):
+        kernel.q_rms_norm_bwd(g, x, None, order)
+    with pytest.raises(ValueError, match=r"`r_out` receives a recomputed r"):
+        kernel.q_rms_norm_bwd(g, x, torch.ones(1, 2, 3, 1), order, r_out=torch.ones(1, 2, 3, 1))
+    assert kernel.q_rms_norm_fused(x, EPS, kernel.paddle_cpu_order(), keep_r=False)[1] is not None
+    monkeypatch.setattr(kernel, "MAX_TILES", 0)  # the streamed kernels
+    assert kernel.q_rms_norm_fused(x, EPS, order, keep_r=False)[1] is not None
+    with pytest.raises(ValueError, match=r"take the streamed kernels, which read the forward.s r"):
+        kernel.q_rms_norm_bwd(g, x, None, order, eps=EPS)
+
+
+def test_the_gpu_training_path_keeps_no_r(monkeypatch):
+    """The PyLayer with the GPU's order (torch CUDA's, forced here in the interpreter): the forward asks for no
+    ``r`` and gets none, the backward recomputes it; ``y`` and the gradient equal the kernels run with ``r``."""
+    calls = []
+    fwd, bwd = kernel.q_rms_norm_fused, kernel.q_rms_norm_bwd
+
+    def spy_fwd(*args, **kwargs):
+        out = fwd(*args, **kwargs)
+        calls.append(("fwd", out[1]))
+        return out
+
+    def spy_bwd(dy, q, r, *args, **kwargs):
+        calls.append(("bwd", r))
+        return bwd(dy, q, r, *args, **kwargs)
+
+    monkeypatch.setattr(kernel, "default_order", lambda q: kernel.torch_cuda_order(12, 512))
+    monkeypatch.setattr(kernel, "q_rms_norm_fused", spy_fwd)
+    monkeypatch.setattr(kernel, "q_rms_norm_bwd", spy_bwd)
+    rng = np.random.default_rng(8)
+    x = (rng.standard_normal((1, 3, 4, 512)) * 2).astype(F32)
+    g = rng.standard_normal((1, 3, 4, 512)).astype(F32)
+    with expect_launches(FWD, exactly=1), expect_launches(BWD, exactly=1):
+        y, dx = run(fused.q_rms_norm, x, g)
+    assert calls == [("fwd", None), ("bwd", None)], calls
+    order = kernel.torch_cuda_order(12, 512)
+    y_ref, r = fwd(torch.from_numpy(x), EPS, order)
+    assert_bitwise(y, y_ref.numpy(), "y")
+    assert_bitwise(dx, bwd(torch.from_numpy(g), torch.from_numpy(x), r, order).numpy(), "dx")

@@ -343,7 +343,7 @@ def test_gpu_fused_gain_gradient_plan(monkeypatch):
         dx_1, dw_1 = kernel.norm_rope_bwd(g, x, r, cos, sin, w, order)
         dx_2, dw_2 = kernel.norm_rope_bwd(g, x, r, cos, sin, w, order)
     plan = kernel._BWD_PLANS[(kernel.layout_key(g), kernel.layout_key(x), kernel.layout_key(r), kernel.layout_key(cos),
-                              kernel.layout_key(sin), kernel.layout_key(w), order, kernel._tuning())]
+                              kernel.layout_key(sin), kernel.layout_key(w), order, None, None, kernel._tuning())]
     assert plan.meta["DW_FUSED"] and plan.grid == (10,) and plan.meta["BLOCK_R"] == 8, (plan.grid, plan.meta)
     assert plan.info[3].grid == (512 // kernel.REDUCE_BLOCK_C,) and plan.info[3].meta["BLOCK_S"] == 4
     assert_bitwise(dx_1, dx_ref, "dx, fused gain plan")
@@ -420,3 +420,91 @@ def test_attention_layer_is_bitwise_equal_with_the_prologue(layer):
     assert fused_run.keys() == reference.keys()
     for key in reference:
         assert_bitwise(fused_run[key], reference[key], f"prologue on vs off: {key}")
+
+
+# (lead, d, rope width): q unvectorised, q at the production head width, kv with a tail, kv at 512 (several
+# row blocks: the gain's partials reduced in a second launch)
+RECOMPUTE_CASES = [((2, 3, 4), 64, 8), ((1, 4, 4), 512, 64), ((2, 3), 33, 4), ((2, 21), 512, 64)]
+
+
+@pytest.mark.parametrize("lead, d, rd", RECOMPUTE_CASES, ids=[f"{lead}-{d}" for lead, d, _ in RECOMPUTE_CASES])
+def test_backward_recomputes_the_forwards_r_bitwise(monkeypatch, lead, d, rd):
+    """Torch order, one-pass kernels (CPU interpreter, fp32; kv with the GPU's plan, the gain gradient inside the
+    row programs): the forward without ``r`` (``keep_r=False``) writes the same ``y``; the backward given
+    ``r=None`` recomputes ``r`` equal to the forward's byte for byte (``r_out``) and the same ``dx`` and ``dw``
+    as with the forward's ``r``. A backward with another eps (a planted difference) is caught."""
+    kv = len(lead) == 2
+    if kv:  # the GPU plan of the kv backward (interpreted, its gain gradient takes the dedicated programs)
+        monkeypatch.setattr(kernel, "is_interpreted", lambda: False)
+    rng = np.random.default_rng(d + 7)
+    x = torch.from_numpy(_scaled(lead + (d,), d))
+    g = torch.from_numpy(rng.standard_normal(lead + (d,)).astype(F32))
+    w = torch.from_numpy((1 + 0.3 * rng.standard_normal(d)).astype(F32)) if kv else None
+    cos, sin = (torch.from_numpy(t.numpy()) for t in _tables(lead[0], lead[1], rd // 2))
+    order = q_kernel.torch_cuda_order(int(np.prod(lead)), d)
+    assert kernel.recomputes_r(d, order, kv)
+    with expect_launches(FWD, exactly=2), expect_launches(BWD, exactly=2):
+        y, r = kernel.norm_rope_fused(x, EPS, cos, sin, w, order)
+        y_no_r, no_r = kernel.norm_rope_fused(x, EPS, cos, sin, w, order, keep_r=False)
+        dx, dw = kernel.norm_rope_bwd(g, x, r, cos, sin, w, order)
+        r_bwd = torch.full_like(r, -1.0)  # poisoned: every row must be written
+        dx_rc, dw_rc = kernel.norm_rope_bwd(g, x, None, cos, sin, w, order, eps=EPS, r_out=r_bwd)
+    assert no_r is None
+    assert_bitwise(y_no_r, y, "y without r")
+    assert_bitwise(r_bwd, r, "the backward's recomputed r vs the forward's")
+    assert_bitwise(dx_rc, dx, "dx with r recomputed vs read")
+    if kv:  # the interpreter's row sums are layout-free; compiled, the two variants' may differ (tests/gpu: tolerance)
+        assert_bitwise(dw_rc, dw, "dw with r recomputed vs read")
+    planted = torch.full_like(r, -1.0)
+    kernel.norm_rope_bwd(g, x, None, cos, sin, w, order, eps=1e-2, r_out=planted)
+    with pytest.raises(AssertionError):
+        assert_bitwise(planted, r, "planted: another eps in the backward")
+
+
+def test_kv_dedicated_gain_programs_keep_r(monkeypatch):
+    """The kv backward's dedicated gain programs read ``r``: with them (here: the interpreter's plan) the forward
+    returns ``r`` even without ``keep_r`` and a backward without it raises."""
+    x, g = torch.from_numpy(_scaled((1, 4, 64), 1)), torch.randn(1, 4, 64)
+    w, (cos, sin) = torch.rand(64) + 0.5, (torch.from_numpy(t.numpy()) for t in _tables(1, 4, 4))
+    order = q_kernel.torch_cuda_order(4, 64)
+    assert not kernel.recomputes_r(64, order, True) and kernel.recomputes_r(64, order, False)
+    assert kernel.norm_rope_fused(x, EPS, cos, sin, w, order, keep_r=False)[1] is not None
+    with pytest.raises(ValueError, match=r"kv gain's dedicated programs, which read the forward's r"):
+        kernel.norm_rope_bwd(g, x, None, cos, sin, w, order, eps=EPS)
+
+
+@pytest.mark.parametrize("kv", [False, True], ids=["q", "kv"])
+def test_the_gpu_training_path_keeps_no_r(monkeypatch, kv):
+    """The PyLayers with the GPU's order and plans (forced here in the interpreter): the forward asks for no ``r``
+    and gets none, the backward recomputes it; ``y`` and the gradients equal the kernels run with ``r``."""
+    calls = []
+    fwd, bwd = kernel.norm_rope_fused, kernel.norm_rope_bwd
+    lead, d = ((2, 5), 512) if kv else ((1, 3, 4), 512)
+    order = q_kernel.torch_cuda_order(int(np.prod(lead)), d)
+
+    def spy_fwd(*args, **kwargs):
+        out = fwd(*args, **kwargs)
+        calls.append(("fwd", out[1]))
+        return out
+
+    def spy_bwd(dy, x, r, *args, **kwargs):
+        calls.append(("bwd", r))
+        return bwd(dy, x, r, *args, **kwargs)
+
+    monkeypatch.setattr(kernel, "is_interpreted", lambda: False)
+    monkeypatch.setattr(kernel, "default_order", lambda x: order)
+    monkeypatch.setattr(kernel, "norm_rope_fused", spy_fwd)
+    monkeypatch.setattr(kernel, "norm_rope_bwd", spy_bwd)
+    rng = np.random.default_rng(9)
+    x, g = _scaled(lead + (d,), 9), rng.standard_normal(lead + (d,)).astype(F32)
+    w = (1 + 0.3 * rng.standard_normal(d)).astype(F32) if kv else None
+    cos, sin = _tables(lead[0], lead[1], 32)
+    with expect_launches(FWD, exactly=1), expect_launches(BWD, exactly=1):
+        got = _run(fused.kv_norm_rope if kv else fused.q_norm_rope, x, g, cos, sin, w)
+    assert calls == [("fwd", None), ("bwd", None)], calls
+    xt, gt, wt = torch.from_numpy(x), torch.from_numpy(g), None if w is None else torch.from_numpy(w)
+    ct, st = (torch.from_numpy(t.numpy()) for t in (cos, sin))
+    y, r = fwd(xt, EPS, ct, st, wt, order)
+    dx, dw = bwd(gt, xt, r, ct, st, wt, order)
+    want = {"y": y.numpy(), "dx": dx.numpy(), **({"dw": dw.numpy()} if kv else {})}
+    _same(got, want, "GPU training path")

@@ -64,6 +64,11 @@ def _kv_in(s: int) -> tuple:
     return torch.randn(1, s, 16), torch.randn(s, 4), torch.randn(s, 4), torch.rand(16) + 0.5
 
 
+def _torch_order(s: int) -> kernel_order.Order:
+    """Torch CUDA's order for the [1, s, 2, 16] inputs (the GPU path's, whose backward can recompute r)."""
+    return kernel_order.torch_cuda_order(2 * s, 16)
+
+
 def _sink_in(s: int) -> tuple:
     return torch.randn(1, s, 2, 16), torch.randn(1, s, 2, 16), torch.randn(1, s, 2), torch.randn(2)
 
@@ -86,6 +91,15 @@ OPS = {
     "qkv q apply": lambda s: prologue.norm_rope_apply(_rope_in(s)[0], torch.rand(1, s, 2, 1), *_rope_in(s)[1:]),
     "qkv q bwd": lambda s: prologue.norm_rope_bwd(_rope_in(s)[0], _rope_in(s)[0], torch.rand(1, s, 2, 1),
                                                   *_rope_in(s)[1:]),
+    # the GPU training path (torch's order): no r kept by the forward, recomputed by the backward
+    "q_rms_norm fused (no r)": lambda s: q_norm.q_rms_norm_fused(torch.randn(1, s, 2, 16), 1e-6, _torch_order(s),
+                                                                 keep_r=False),
+    "q_rms_norm bwd (r recomputed)": lambda s: q_norm.q_rms_norm_bwd(torch.randn(1, s, 2, 16), torch.randn(1, s, 2, 16),
+                                                                     None, _torch_order(s), eps=1e-6),
+    "qkv q fused (no r)": lambda s: prologue.norm_rope_fused(*_rope_in(s)[:1], 1e-6, *_rope_in(s)[1:], None,
+                                                             _torch_order(s), keep_r=False),
+    "qkv q bwd (r recomputed)": lambda s: prologue.norm_rope_bwd(_rope_in(s)[0], _rope_in(s)[0], None,
+                                                                 *_rope_in(s)[1:], order=_torch_order(s), eps=1e-6),
     "qkv kv bwd": lambda s: prologue.norm_rope_bwd(_kv_in(s)[0], *_kv_in(s)[:1], torch.rand(1, s, 1),
                                                    *_kv_in(s)[1:]),
     "inv_rope_postmix fast fwd": lambda s: postmix.forward(*_rope_in(s), torch.randn(2, 2)),

@@ -12,8 +12,11 @@ output in q's dtype) and these guarantees:
 - **GPU**: one forward kernel and one backward kernel in torch CUDA's reduction order and gradient
   formulas (``kernel.torch_cuda_order``, torch 2.11's Reduce.cuh); bitwise against the eager torch op
   sequence (y, r and dx, bf16 and fp32, the production shape included) is what the H200 tests check and
-  pass (``tests/gpu/test_q_rms_norm_gpu.py``, torch 2.11.0+cu130). Against Paddle GPU's own eager ops it is unverified
-  (no Paddle GPU machine here), so no bitwise claim is made for Paddle GPU.
+  pass (``tests/gpu/test_q_rms_norm_gpu.py``, torch 2.11.0+cu130). Where the one-pass kernels apply (head
+  dim up to 1024 at 32 lanes) the forward writes only ``y`` and the backward recomputes ``r`` from ``q`` with
+  the forward's code (``kernel.recomputes_r``; the tests compare that ``r`` with the forward's byte for
+  byte). Against Paddle GPU's own eager ops it is unverified (no Paddle GPU machine here), so no bitwise
+  claim is made for Paddle GPU.
 
 bf16/fp16 need a GPU: the interpreter's bf16 rounding is wrong, so the CPU path accepts fp32 only.
 """
@@ -40,16 +43,20 @@ class _QRMSNorm(PyLayer):
             ms = kernel.q_rms_norm_stats(q, order)
             r = paddle.rsqrt(ms + eps)  # Paddle's own rsqrt on the reference's [b, s, h, 1] tensor
             y = kernel.q_rms_norm_apply(q, r)
+        else:  # r None where the backward recomputes it (one output: one allocation less per call)
+            y, r = kernel.q_rms_norm_fused(q, eps, order, keep_r=False)
+        if r is None:
+            ctx.save_for_backward(q)
         else:
-            y, r = kernel.q_rms_norm_fused(q, eps, order)
-        ctx.save_for_backward(q, r)
-        ctx.order = order
+            ctx.save_for_backward(q, r)
+        ctx.order, ctx.eps = order, eps
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        q, r = ctx.saved_tensor()
-        return kernel.q_rms_norm_bwd(dy, q, r, ctx.order)
+        saved = ctx.saved_tensor()
+        r = saved[1] if len(saved) > 1 else None
+        return kernel.q_rms_norm_bwd(dy, saved[0], r, ctx.order, eps=ctx.eps)
 
 
 def q_rms_norm(q: paddle.Tensor, eps: float) -> paddle.Tensor:

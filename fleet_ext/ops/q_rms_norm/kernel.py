@@ -58,6 +58,14 @@ q, any row stride) skip the per-row index divisions. The launch defaults (4 rows
 64 threads, four 16-byte loads per tensor each; no cache hints) came from a sweep on the H200 at the
 production shape; its timings are in ``benchmarks/RESULTS.md`` ("q_rms_norm one-pass tuning").
 
+**r recomputed, not kept, on the one-pass path.** The backward reads every x chunk anyway, so it can recompute
+``r`` with the forward's own code (``kernel_common._one_pass_r``: same chunks, same accumulators and tree, same
+``* mean_factor + eps`` and rsqrt, no FMA) instead of reading it: ``q_rms_norm_fused(.., keep_r=False)`` then
+allocates and writes one output, not two (a small tensor's host cost is mostly allocations, issue 16 §4), and
+``q_rms_norm_bwd(.., r=None, eps=eps)`` recomputes. The interpreter tests and the H200 tests check the
+recomputed ``r`` against the forward's byte for byte (``r_out``). The Paddle CPU order keeps ``r`` (Paddle's own
+rsqrt, see above), and so do the streamed kernels.
+
 Files, by role: this module (orders re-exported, launch configuration, host launchers),
 ``kernel_order.py`` (the :class:`Order` model, host side), ``kernel_common.py`` (device summation tree
 and row I/O), ``kernel_fwd.py`` / ``kernel_bwd.py`` (the kernels). None imports Paddle or torch.
@@ -184,14 +192,24 @@ def _tuning() -> tuple:
             kernel_order.TORCH_VEC_MIN_D, kernel_order.TORCH_WARP_HALVING, is_interpreted())
 
 
-def _prepare_fwd(key: tuple, q: Any, r: Any, phase: int, order: Order | None, eps: float) -> Plan:
-    """Check, resolve the order, plan the forward launch. ``info``: (the [b, s, h, 1] stats shape, fp32 dtype)."""
+def recomputes_r(d: int, order: Order) -> bool:
+    """The backward can recompute ``r`` from ``x`` bit for bit (the one-pass kernels, torch order), so the fused
+    forward need not write it: the forward's ``_one_pass_r`` runs again in the backward on the same chunks."""
+    return _one_pass(d, order, PHASE_FUSED)
+
+
+def _prepare_fwd(key: tuple, q: Any, r: Any, phase: int, order: Order | None, eps: float,
+                 keep_r: bool = True) -> Plan:
+    """Check, resolve the order, plan the forward launch. ``info``: (the [b, s, h, 1] stats shape, fp32 dtype,
+    whether the launch writes the statistics: always but for a fused forward without ``keep_r`` whose backward
+    recomputes ``r``)."""
     check_q(q)
     b, s, h, d = shape_of(q)
     if phase == PHASE_APPLY and (shape_of(r) != [b, s, h, 1] or dtype_name(r) != "float32"):
         raise ValueError(f"q_rms_norm: `r` must be float32 [{b}, {s}, {h}, 1], got {dtype_name(r)} {shape_of(r)}")
     order = paddle_cpu_order() if phase == PHASE_APPLY else (order or default_order(q))
-    info = ((b, s, h, 1), _float32_of(q))
+    store = keep_r or phase != PHASE_FUSED or not recomputes_r(d, order)
+    info = ((b, s, h, 1), _float32_of(q), store)
     rows = b * s * h
     if rows == 0 or d == 0:
         return _FWD_PLANS.add(key, Plan(None, info=info))
@@ -199,13 +217,13 @@ def _prepare_fwd(key: tuple, q: Any, r: Any, phase: int, order: Order | None, ep
     s_b, s_s, s_h, s_d = strides_of(q)
     step = _row_stride(shape_of(q), strides_of(q))
     meta = dict(D=d, PHASE=phase, FLAVOR=order.flavor, DOWNCAST=dtype_name(q) != "float32",
-                FLAT_ROWS=step is not None, enable_fp_fusion=False, **cfg)
+                FLAT_ROWS=step is not None, STORE_R=store, enable_fp_fusion=False, **cfg)
     scalars = (rows, s, h, s_b, s_s, s_h if step is None else step, s_d, float(order.mean_factor), float(eps))
     return _FWD_PLANS.add(key, Plan((triton.cdiv(rows, cfg["BLOCK_R"]),), scalars, meta, info, is_standard(q)))
 
 
 def _fwd_plan(q: Any, r: Any, phase: int, order: Order | None, eps: float) -> Plan:
-    key = (layout_key(q), None if r is None else layout_key(r), phase, order, eps, _tuning())
+    key = (layout_key(q), None if r is None else layout_key(r), phase, order, eps, True, _tuning())
     return _FWD_PLANS.get(key) or _prepare_fwd(key, q, r, phase, order, eps)
 
 
@@ -229,26 +247,63 @@ def q_rms_norm_apply(q: Any, r: Any) -> Any:
     return y
 
 
-def q_rms_norm_fused(q: Any, eps: float, order: Order | None = None) -> tuple[Any, Any]:
-    """One kernel: ``(y, r)`` with ``r = rsqrt(mean(q^2) + eps)`` fp32 [b, s, h, 1] and ``y = q * r``."""
-    plan = _fwd_plan(q, None, PHASE_FUSED, order, eps)
+def q_rms_norm_fused(q: Any, eps: float, order: Order | None = None, keep_r: bool = True) -> tuple[Any, Any]:
+    """One kernel: ``(y, r)`` with ``r = rsqrt(mean(q^2) + eps)`` fp32 [b, s, h, 1] and ``y = q * r``.
+
+    ``keep_r=False`` (the training path): ``r`` is None, neither allocated nor written, where the backward
+    recomputes it (:func:`recomputes_r`; pass ``r=None`` and ``eps`` to :func:`q_rms_norm_bwd`); one output is one
+    allocation less per call (host cost, issue 16 §4). Elsewhere ``r`` is returned as ever."""
+    key = (layout_key(q), None, PHASE_FUSED, order, eps, keep_r, _tuning())  # _fwd_plan's key, inlined (hot path)
+    plan = _FWD_PLANS.get(key) or _prepare_fwd(key, q, None, PHASE_FUSED, order, eps, keep_r)
     y = empty_same(q, plan.standard)
+    if not plan.info[2]:
+        fire(_q_rms_norm_fwd_kernel, plan, q, y, q)  # stat_ptr untouched (STORE_R false): q stands in
+        return y, None
     r = empty_like(q, shape=plan.info[0], dtype=plan.info[1])
-    _fwd(plan, q, y, r)
+    fire(_q_rms_norm_fwd_kernel, plan, q, y, r)
     return y, r
 
 
-def _prepare_bwd(key: tuple, dy: Any, q: Any, r: Any, order: Order | None) -> Plan:
-    """Check (same order and messages as ever), resolve the order and plan the backward launch."""
+def _check_stats(t: Any, name: str, b: int, s: int, h: int) -> None:
+    if shape_of(t) != [b, s, h, 1] or dtype_name(t) != "float32":
+        raise ValueError(f"q_rms_norm (backward): `{name}` must be float32 [{b}, {s}, {h}, 1], "
+                         f"got {dtype_name(t)} {shape_of(t)}")
+
+
+def check_recompute(r: Any, eps: Any, r_out: Any, recomputable: bool, fn: str,
+                    readers: str = "the streamed kernels") -> None:
+    """A backward given ``r=None`` recomputes ``r``: it needs the forward's ``eps`` and a plan that can
+    (``recomputable``; else ``readers`` read ``r``); ``r_out`` (where the recomputed ``r`` is written, for tests)
+    only goes with ``r=None``."""
+    if r is not None:
+        if r_out is not None:
+            raise ValueError(f"{fn}: `r_out` receives a recomputed r: pass it with r=None, not with the forward's r")
+        return
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"{fn}: `r` is None, so r is recomputed from x and needs the forward's `eps` (a float "
+                         f">= 0), got {eps!r}")
+    if not recomputable:
+        raise ValueError(f"{fn}: `r` is None, but this shape, order and plan take {readers}, which read the "
+                         "forward's r: keep it (the forward's keep_r=True) and pass it")
+
+
+def _prepare_bwd(key: tuple, dy: Any, q: Any, r: Any, order: Order | None, eps: float | None = None,
+                 r_out: Any = None) -> Plan:
+    """Check (same order and messages as ever), resolve the order and plan the backward launch (``r`` None:
+    recomputed from ``q`` with ``eps``, and written to ``r_out`` when given)."""
     check_q(q)
     check_q(dy, "dy", "q_rms_norm (backward)")
     b, s, h, d = shape_of(q)
     if shape_of(dy) != [b, s, h, d]:
         raise ValueError(f"q_rms_norm (backward): `dy` must have q's shape {[b, s, h, d]}, got {shape_of(dy)}")
-    if shape_of(r) != [b, s, h, 1] or dtype_name(r) != "float32":
-        raise ValueError(f"q_rms_norm (backward): `r` must be float32 [{b}, {s}, {h}, 1], "
-                         f"got {dtype_name(r)} {shape_of(r)}")
+    if r is not None:
+        _check_stats(r, "r", b, s, h)
     order = order or default_order(q)
+    check_recompute(r, eps, r_out, recomputes_r(d, order), "q_rms_norm (backward)")
+    if r_out is not None:
+        _check_stats(r_out, "r_out", b, s, h)
+        if not r_out.is_contiguous():
+            raise ValueError("q_rms_norm (backward): `r_out` must be contiguous")
     rows = b * s * h
     if rows == 0 or d == 0:
         return _BWD_PLANS.add(key, Plan(None))
@@ -259,18 +314,26 @@ def _prepare_bwd(key: tuple, dy: Any, q: Any, r: Any, order: Order | None) -> Pl
     if flat:
         x_strides[2], g_strides[2] = x_step, g_step
     meta = dict(D=d, FLAVOR=order.flavor, DOWNCAST=dtype_name(q) != "float32", FLAT_ROWS=flat,
-                enable_fp_fusion=False, **cfg)
-    scalars = (rows, s, h, *x_strides, *g_strides, float(order.inv_d))
+                RECOMPUTE_R=r is None, STORE_R=r_out is not None, enable_fp_fusion=False, **cfg)
+    scalars = (rows, s, h, *x_strides, *g_strides, float(order.inv_d), float(order.mean_factor),
+               0.0 if r is not None else float(eps))
     return _BWD_PLANS.add(key, Plan((triton.cdiv(rows, cfg["BLOCK_R"]),), scalars, meta, standard=is_standard(q)))
 
 
-def q_rms_norm_bwd(dy: Any, q: Any, r: Any, order: Order | None = None) -> Any:
-    """The gradient for ``q`` given ``dy`` (like q, any strides) and the forward's ``r``; a new contiguous tensor."""
-    key = (layout_key(dy), layout_key(q), layout_key(r), order, _tuning())
-    plan = _BWD_PLANS.get(key) or _prepare_bwd(key, dy, q, r, order)
+def q_rms_norm_bwd(dy: Any, q: Any, r: Any, order: Order | None = None, eps: float | None = None,
+                   r_out: Any = None) -> Any:
+    """The gradient for ``q`` given ``dy`` (like q, any strides) and the forward's ``r``; a new contiguous tensor.
+
+    ``r=None`` (after ``q_rms_norm_fused(.., keep_r=False)``): ``r`` is recomputed from ``q`` with the forward's
+    ``eps`` by the forward's own code (bitwise the forward's ``r``); ``r_out`` (fp32 [b, s, h, 1], contiguous)
+    then receives it (tests compare it with the forward's)."""
+    key = (layout_key(dy), layout_key(q), None if r is None else layout_key(r), order, eps,
+           None if r_out is None else layout_key(r_out), _tuning())
+    plan = _BWD_PLANS.get(key) or _prepare_bwd(key, dy, q, r, order, eps, r_out)
     dx = empty_same(q, plan.standard)
     if plan.grid is not None:
-        fire(_q_rms_norm_bwd_kernel, plan, q, dy, _contiguous(r), dx)
+        stats = _contiguous(r) if r is not None else (r_out if r_out is not None else q)  # q: untouched stand-in
+        fire(_q_rms_norm_bwd_kernel, plan, q, dy, stats, dx)
     return dx
 
 
@@ -281,5 +344,5 @@ def _contiguous(t: Any) -> Any:
 __all__ = [
     "FLAVOR_PADDLE", "FLAVOR_TORCH", "FLOAT_DTYPES", "MAX_TILES", "Order", "check_q", "default_order", "is_interpreted",
     "paddle_cpu_order", "q_rms_norm_apply", "q_rms_norm_bwd", "q_rms_norm_fused", "q_rms_norm_stats",
-    "torch_cuda_order",
+    "recomputes_r", "torch_cuda_order",
 ]

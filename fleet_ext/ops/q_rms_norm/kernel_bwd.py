@@ -1,4 +1,4 @@
-"""Device code of the q RMS norm backward: ``dx`` from ``dy``, ``x`` and the forward's ``r``.
+"""Device code of the q RMS norm backward: ``dx`` from ``dy``, ``x`` and the forward's ``r`` (read, or recomputed).
 
 The gradient flavours (Paddle CPU autograd's and torch autograd's elementwise formulas) and the orders
 are in ``kernel.py``'s docstring. The kernel is split into ``@triton.jit`` helpers (inlined by the
@@ -12,7 +12,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fleet_ext.ops.q_rms_norm.kernel_common import _combine, _narrow, _put, _row_offsets, _row_sum, _tile
+from fleet_ext.ops.q_rms_norm.kernel_common import (
+    _bwd_r,
+    _combine,
+    _narrow,
+    _put,
+    _row_offsets,
+    _row_sum,
+    _row_tiles,
+)
 
 
 @triton.jit
@@ -39,36 +47,21 @@ def _d_sq(g_r, r, inv_d, D: tl.constexpr, BLOCK_R: tl.constexpr, FLAVOR: tl.cons
 
 @triton.jit
 def _bwd_one_pass(
-    x_ptr, g_ptr, dx_ptr, rows, row_mask, x_row, g_row, x_sd, g_sd, r, inv_d,
+    x_ptr, g_ptr, r_ptr, dx_ptr, rows, row_mask, x_row, g_row, x_sd, g_sd, inv_d, mean_factor, eps,
     D: tl.constexpr, BLOCK_R: tl.constexpr, LANES: tl.constexpr, ACC_INNER: tl.constexpr,
     HALVING: tl.constexpr, FLAVOR: tl.constexpr, DOWNCAST: tl.constexpr, STREAM: tl.constexpr,
+    RECOMPUTE_R: tl.constexpr, STORE_R: tl.constexpr,
 ):
-    """Torch order: each row of ``dy`` and ``x`` read once, its (at most 8) chunks held in registers."""
+    """Torch order: each row of ``dy`` and ``x`` read once, its (at most 8) chunks held in registers.
+
+    ``r``: read from ``r_ptr``, or (RECOMPUTE_R) recomputed from the x chunks by the forward's own code
+    (``_one_pass_r``), and with STORE_R also written to ``r_ptr`` (tests compare it with the forward's)."""
     C: tl.constexpr = LANES * 4
     NT: tl.constexpr = (D + C - 1) // C
-    g0 = _tile(g_ptr, g_row, g_sd, row_mask, 0, C, D, STREAM)
-    x0 = _tile(x_ptr, x_row, x_sd, row_mask, 0, C, D, STREAM)
-    if NT > 1:
-        g1 = _tile(g_ptr, g_row, g_sd, row_mask, 1, C, D, STREAM)
-        x1 = _tile(x_ptr, x_row, x_sd, row_mask, 1, C, D, STREAM)
-    if NT > 2:
-        g2 = _tile(g_ptr, g_row, g_sd, row_mask, 2, C, D, STREAM)
-        x2 = _tile(x_ptr, x_row, x_sd, row_mask, 2, C, D, STREAM)
-    if NT > 3:
-        g3 = _tile(g_ptr, g_row, g_sd, row_mask, 3, C, D, STREAM)
-        x3 = _tile(x_ptr, x_row, x_sd, row_mask, 3, C, D, STREAM)
-    if NT > 4:
-        g4 = _tile(g_ptr, g_row, g_sd, row_mask, 4, C, D, STREAM)
-        x4 = _tile(x_ptr, x_row, x_sd, row_mask, 4, C, D, STREAM)
-    if NT > 5:
-        g5 = _tile(g_ptr, g_row, g_sd, row_mask, 5, C, D, STREAM)
-        x5 = _tile(x_ptr, x_row, x_sd, row_mask, 5, C, D, STREAM)
-    if NT > 6:
-        g6 = _tile(g_ptr, g_row, g_sd, row_mask, 6, C, D, STREAM)
-        x6 = _tile(x_ptr, x_row, x_sd, row_mask, 6, C, D, STREAM)
-    if NT > 7:
-        g7 = _tile(g_ptr, g_row, g_sd, row_mask, 7, C, D, STREAM)
-        x7 = _tile(x_ptr, x_row, x_sd, row_mask, 7, C, D, STREAM)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _row_tiles(x_ptr, x_row, x_sd, row_mask, C, D, NT, STREAM)
+    g0, g1, g2, g3, g4, g5, g6, g7 = _row_tiles(g_ptr, g_row, g_sd, row_mask, C, D, NT, STREAM)
+    r = _bwd_r(r_ptr, rows, row_mask, x0, x1, x2, x3, x4, x5, x6, x7, mean_factor, eps, NT, BLOCK_R, LANES,
+               ACC_INNER, HALVING, RECOMPUTE_R, STORE_R)
     acc = tl.zeros([BLOCK_R, C], dtype=tl.float32) + g0 * x0  # the identity 0 first: -0 products become +0
     if NT > 1:
         acc = acc + g1 * x1
@@ -129,21 +122,24 @@ def _q_rms_norm_bwd_kernel(
     n_rows, S, H,
     x_sb, x_ss, x_sh, x_sd,
     g_sb, g_ss, g_sh, g_sd,
-    inv_d,
+    inv_d, mean_factor, eps,
     D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
     LANES: tl.constexpr, NACC: tl.constexpr, ACC_INNER: tl.constexpr, HALVING: tl.constexpr,
     FLAVOR: tl.constexpr, DOWNCAST: tl.constexpr,
     ONE_PASS: tl.constexpr, FLAT_ROWS: tl.constexpr, STREAM: tl.constexpr,
+    RECOMPUTE_R: tl.constexpr, STORE_R: tl.constexpr,
 ):
-    """dx for BLOCK_R rows; ONE_PASS as in the forward (torch order, at most MAX_TILES chunks)."""
+    """dx for BLOCK_R rows; ONE_PASS as in the forward (torch order, at most MAX_TILES chunks), where
+    RECOMPUTE_R (one pass only) recomputes ``r`` from ``x`` (``mean_factor``, ``eps``: the forward's) instead of
+    reading it, and STORE_R then writes it to ``r_ptr``."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < n_rows
     x_row = _row_offsets(rows, S, H, x_sb, x_ss, x_sh, FLAT_ROWS)
     g_row = _row_offsets(rows, S, H, g_sb, g_ss, g_sh, FLAT_ROWS)
-    r = tl.load(r_ptr + rows, mask=row_mask, other=0.0)
     if ONE_PASS:
-        _bwd_one_pass(x_ptr, g_ptr, dx_ptr, rows, row_mask, x_row, g_row, x_sd, g_sd, r, inv_d,
-                      D, BLOCK_R, LANES, ACC_INNER, HALVING, FLAVOR, DOWNCAST, STREAM)
+        _bwd_one_pass(x_ptr, g_ptr, r_ptr, dx_ptr, rows, row_mask, x_row, g_row, x_sd, g_sd, inv_d, mean_factor, eps,
+                      D, BLOCK_R, LANES, ACC_INNER, HALVING, FLAVOR, DOWNCAST, STREAM, RECOMPUTE_R, STORE_R)
     else:
+        r = tl.load(r_ptr + rows, mask=row_mask, other=0.0)
         _bwd_streamed(x_ptr, g_ptr, dx_ptr, rows, row_mask, x_row, g_row, x_sd, g_sd, r, inv_d,
                       D, BLOCK_R, BLOCK_D, LANES, NACC, ACC_INNER, HALVING, FLAVOR, DOWNCAST)

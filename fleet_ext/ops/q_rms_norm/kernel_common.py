@@ -186,6 +186,74 @@ def _tile(ptr, row_off, s_d, row_mask, T: tl.constexpr, C: tl.constexpr, D: tl.c
 
 
 @triton.jit
+def _row_tiles(ptr, row_off, s_d, row_mask, C: tl.constexpr, D: tl.constexpr, NT: tl.constexpr, STREAM: tl.constexpr):
+    """The one-pass kernels' row in registers: chunks 0 .. NT-1 (NT <= 8) of ``C`` columns, fp32 [R, C] each; the
+    slots from NT on repeat chunk 0 (no load; the callers read only the first NT)."""
+    x0 = _tile(ptr, row_off, s_d, row_mask, 0, C, D, STREAM)
+    x1, x2, x3, x4, x5, x6, x7 = x0, x0, x0, x0, x0, x0, x0
+    if NT > 1:
+        x1 = _tile(ptr, row_off, s_d, row_mask, 1, C, D, STREAM)
+    if NT > 2:
+        x2 = _tile(ptr, row_off, s_d, row_mask, 2, C, D, STREAM)
+    if NT > 3:
+        x3 = _tile(ptr, row_off, s_d, row_mask, 3, C, D, STREAM)
+    if NT > 4:
+        x4 = _tile(ptr, row_off, s_d, row_mask, 4, C, D, STREAM)
+    if NT > 5:
+        x5 = _tile(ptr, row_off, s_d, row_mask, 5, C, D, STREAM)
+    if NT > 6:
+        x6 = _tile(ptr, row_off, s_d, row_mask, 6, C, D, STREAM)
+    if NT > 7:
+        x7 = _tile(ptr, row_off, s_d, row_mask, 7, C, D, STREAM)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _one_pass_r(
+    x0, x1, x2, x3, x4, x5, x6, x7, mean_factor, eps, NT: tl.constexpr, BLOCK_R: tl.constexpr,
+    LANES: tl.constexpr, ACC_INNER: tl.constexpr, HALVING: tl.constexpr,
+):
+    """``r = rsqrt(mean(x^2) + eps)`` per row from the row's chunks (torch order, 4 accumulators a lane).
+
+    The one place this is computed on the one-pass path: the forwards that store ``r`` and the backwards that
+    recompute it instead of reading it (``RECOMPUTE_R``) run this same code on the same fp32 chunks, so the two
+    are the same bits (kernels built without FMA contraction; tests compare them)."""
+    acc = x0 * x0  # = 0 + x0^2 (squares are never -0)
+    if NT > 1:
+        acc = acc + x1 * x1
+    if NT > 2:
+        acc = acc + x2 * x2
+    if NT > 3:
+        acc = acc + x3 * x3
+    if NT > 4:
+        acc = acc + x4 * x4
+    if NT > 5:
+        acc = acc + x5 * x5
+    if NT > 6:
+        acc = acc + x6 * x6
+    if NT > 7:
+        acc = acc + x7 * x7
+    return tl.math.rsqrt(_combine(acc, BLOCK_R, LANES, 4, ACC_INNER, HALVING) * mean_factor + eps)
+
+
+@triton.jit
+def _bwd_r(
+    r_ptr, rows, row_mask, x0, x1, x2, x3, x4, x5, x6, x7, mean_factor, eps, NT: tl.constexpr,
+    BLOCK_R: tl.constexpr, LANES: tl.constexpr, ACC_INNER: tl.constexpr, HALVING: tl.constexpr,
+    RECOMPUTE_R: tl.constexpr, STORE_R: tl.constexpr,
+):
+    """A one-pass backward's ``r``: read from ``r_ptr``, or (RECOMPUTE_R) recomputed from the row's x chunks by
+    :func:`_one_pass_r` with the forward's ``mean_factor`` and ``eps``, and then (STORE_R) written to ``r_ptr``."""
+    if RECOMPUTE_R:
+        r = _one_pass_r(x0, x1, x2, x3, x4, x5, x6, x7, mean_factor, eps, NT, BLOCK_R, LANES, ACC_INNER, HALVING)
+        if STORE_R:
+            tl.store(r_ptr + rows, r, mask=row_mask)
+    else:
+        r = tl.load(r_ptr + rows, mask=row_mask, other=0.0)
+    return r
+
+
+@triton.jit
 def _put(ptr, rows, v, row_mask, T: tl.constexpr, C: tl.constexpr, D: tl.constexpr, DOWNCAST: tl.constexpr,
          STREAM: tl.constexpr):
     """Store chunk T of contiguous [rows, D] output rows, rounded once to the output dtype."""

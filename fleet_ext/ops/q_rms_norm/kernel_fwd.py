@@ -11,51 +11,24 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fleet_ext.ops.q_rms_norm.kernel_common import _combine, _narrow, _put, _row_offsets, _row_sum, _tile
+from fleet_ext.ops.q_rms_norm.kernel_common import _narrow, _one_pass_r, _put, _row_offsets, _row_sum, _row_tiles
 
 
 @triton.jit
 def _fwd_one_pass(
     x_ptr, y_ptr, stat_ptr, rows, row_mask, x_row, s_d, mean_factor, eps,
     D: tl.constexpr, BLOCK_R: tl.constexpr, LANES: tl.constexpr, ACC_INNER: tl.constexpr,
-    HALVING: tl.constexpr, DOWNCAST: tl.constexpr, STREAM: tl.constexpr,
+    HALVING: tl.constexpr, DOWNCAST: tl.constexpr, STREAM: tl.constexpr, STORE_R: tl.constexpr,
 ):
-    """PHASE 2, torch order: each row read once, its (at most 8) chunks held in registers for the sum and y."""
+    """PHASE 2, torch order: each row read once, its (at most 8) chunks held in registers for the sum and y.
+
+    STORE_R false: ``r`` is not written (the backward recomputes it with the same ``_one_pass_r``)."""
     C: tl.constexpr = LANES * 4
     NT: tl.constexpr = (D + C - 1) // C
-    x0 = _tile(x_ptr, x_row, s_d, row_mask, 0, C, D, STREAM)
-    if NT > 1:
-        x1 = _tile(x_ptr, x_row, s_d, row_mask, 1, C, D, STREAM)
-    if NT > 2:
-        x2 = _tile(x_ptr, x_row, s_d, row_mask, 2, C, D, STREAM)
-    if NT > 3:
-        x3 = _tile(x_ptr, x_row, s_d, row_mask, 3, C, D, STREAM)
-    if NT > 4:
-        x4 = _tile(x_ptr, x_row, s_d, row_mask, 4, C, D, STREAM)
-    if NT > 5:
-        x5 = _tile(x_ptr, x_row, s_d, row_mask, 5, C, D, STREAM)
-    if NT > 6:
-        x6 = _tile(x_ptr, x_row, s_d, row_mask, 6, C, D, STREAM)
-    if NT > 7:
-        x7 = _tile(x_ptr, x_row, s_d, row_mask, 7, C, D, STREAM)
-    acc = x0 * x0  # = 0 + x0^2 (squares are never -0)
-    if NT > 1:
-        acc = acc + x1 * x1
-    if NT > 2:
-        acc = acc + x2 * x2
-    if NT > 3:
-        acc = acc + x3 * x3
-    if NT > 4:
-        acc = acc + x4 * x4
-    if NT > 5:
-        acc = acc + x5 * x5
-    if NT > 6:
-        acc = acc + x6 * x6
-    if NT > 7:
-        acc = acc + x7 * x7
-    total = _combine(acc, BLOCK_R, LANES, 4, ACC_INNER, HALVING)
-    r = tl.math.rsqrt(total * mean_factor + eps)
-    tl.store(stat_ptr + rows, r, mask=row_mask)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _row_tiles(x_ptr, x_row, s_d, row_mask, C, D, NT, STREAM)
+    r = _one_pass_r(x0, x1, x2, x3, x4, x5, x6, x7, mean_factor, eps, NT, BLOCK_R, LANES, ACC_INNER, HALVING)
+    if STORE_R:
+        tl.store(stat_ptr + rows, r, mask=row_mask)
     rb = r[:, None]
     _put(y_ptr, rows, x0 * rb, row_mask, 0, C, D, DOWNCAST, STREAM)
     if NT > 1:
@@ -114,19 +87,20 @@ def _q_rms_norm_fwd_kernel(
     D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
     LANES: tl.constexpr, NACC: tl.constexpr, ACC_INNER: tl.constexpr, HALVING: tl.constexpr,
     PHASE: tl.constexpr, FLAVOR: tl.constexpr, DOWNCAST: tl.constexpr,
-    ONE_PASS: tl.constexpr, FLAT_ROWS: tl.constexpr, STREAM: tl.constexpr,
+    ONE_PASS: tl.constexpr, FLAT_ROWS: tl.constexpr, STREAM: tl.constexpr, STORE_R: tl.constexpr,
 ):
     """PHASE 0: stat = mean(x^2). PHASE 1: y = x * stat (stat = r). PHASE 2: stat = r = rsqrt(mean + eps), y.
 
     ONE_PASS (PHASE 2, torch order, NACC = 4, at most MAX_TILES chunks): each row is read once, its chunks
-    held in registers for both the sum and y; else the row is streamed twice (sum, then y).
+    held in registers for both the sum and y; else the row is streamed twice (sum, then y). STORE_R false
+    (one pass only): ``r`` is not written and ``stat_ptr`` is not touched.
     """
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < n_rows
     x_row = _row_offsets(rows, S, H, s_b, s_s, s_h, FLAT_ROWS)
     if ONE_PASS:
         _fwd_one_pass(x_ptr, y_ptr, stat_ptr, rows, row_mask, x_row, s_d, mean_factor, eps,
-                      D, BLOCK_R, LANES, ACC_INNER, HALVING, DOWNCAST, STREAM)
+                      D, BLOCK_R, LANES, ACC_INNER, HALVING, DOWNCAST, STREAM, STORE_R)
     else:
         _fwd_streamed(x_ptr, y_ptr, stat_ptr, rows, row_mask, x_row, s_d, mean_factor, eps,
                       D, BLOCK_R, BLOCK_D, LANES, NACC, ACC_INNER, HALVING, PHASE, FLAVOR, DOWNCAST)

@@ -8,9 +8,12 @@
   can stand in for it: ``fleet_ext.ops.q_rms_norm.kernel``) and one apply launch that writes the rotated
   output; no RoPE launch. The backward is one launch.
 - **GPU**: one forward launch; one backward launch for q, and for kv one plus a small launch adding the
-  gain gradient's row segments. Orders and flavours are torch CUDA's (``tests/gpu/test_qkv_prologue_gpu.py``
-  compares with the eager torch op sequence); the gain's gradient is summed in a fixed blocked order
-  (deterministic), not torch's, so it is held to a tolerance (the registry says which and why).
+  gain gradient's row segments. Where the one-pass kernels apply (and for kv the gain gradient is summed in the
+  row programs) the forward writes only ``y`` and the backward recomputes ``r`` from ``x`` with the forward's
+  code (``kernel.recomputes_r``; tests compare that ``r`` with the forward's byte for byte). Orders and
+  flavours are torch CUDA's (``tests/gpu/test_qkv_prologue_gpu.py`` compares with the eager torch op
+  sequence); the gain's gradient is summed in a fixed blocked order (deterministic), not torch's, so it is
+  held to a tolerance (the registry says which and why).
 
 ``cos``/``sin`` are constants (no gradient), as in the fused RoPE. bf16/fp16 need a GPU (the interpreter's
 bf16 rounding is wrong), so the CPU path accepts fp32 only.
@@ -40,11 +43,20 @@ def _forward(ctx, x: paddle.Tensor, weight: paddle.Tensor | None, eps: float, co
         ms = q_kernel.q_rms_norm_stats(x4, order).reshape(kernel._rows_shape(x))
         r = paddle.rsqrt(ms + eps)  # Paddle's own rsqrt on the reference's [.., 1] tensor
         y = kernel.norm_rope_apply(x, r, cos, sin, weight)
+    else:  # r None where the backward recomputes it (one output: one allocation less per call)
+        y, r = kernel.norm_rope_fused(x, eps, cos, sin, weight, order, keep_r=False)
+    if r is None:
+        ctx.save_for_backward(x)
     else:
-        y, r = kernel.norm_rope_fused(x, eps, cos, sin, weight, order)
-    ctx.save_for_backward(x, r)
-    ctx.cos, ctx.sin, ctx.order = cos, sin, order  # constant tables ride on ctx (as in the fused RoPE)
+        ctx.save_for_backward(x, r)
+    ctx.cos, ctx.sin, ctx.order, ctx.eps = cos, sin, order, eps  # constant tables ride on ctx (as in the fused RoPE)
     return y
+
+
+def _saved(ctx) -> tuple[paddle.Tensor, paddle.Tensor | None]:
+    """(x, r) as the forward saved them; r None where the backward recomputes it."""
+    saved = ctx.saved_tensor()
+    return saved[0], saved[1] if len(saved) > 1 else None
 
 
 class _QNormRope(PyLayer):
@@ -54,8 +66,8 @@ class _QNormRope(PyLayer):
 
     @staticmethod
     def backward(ctx, dy):
-        q, r = ctx.saved_tensor()
-        dq, _ = kernel.norm_rope_bwd(dy, q, r, ctx.cos, ctx.sin, order=ctx.order)
+        q, r = _saved(ctx)
+        dq, _ = kernel.norm_rope_bwd(dy, q, r, ctx.cos, ctx.sin, order=ctx.order, eps=ctx.eps)
         return dq, None, None
 
 
@@ -67,8 +79,8 @@ class _KVNormRope(PyLayer):
 
     @staticmethod
     def backward(ctx, dy):
-        kv, r = ctx.saved_tensor()
-        dkv, dw = kernel.norm_rope_bwd(dy, kv, r, ctx.cos, ctx.sin, ctx.weight, order=ctx.order)
+        kv, r = _saved(ctx)
+        dkv, dw = kernel.norm_rope_bwd(dy, kv, r, ctx.cos, ctx.sin, ctx.weight, order=ctx.order, eps=ctx.eps)
         return dkv, dw if ctx.need_w else None, None, None
 
 

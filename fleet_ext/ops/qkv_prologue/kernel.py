@@ -7,7 +7,12 @@ What it replaces, op for op (so the result is bitwise the separate ops' on the p
 
 Forward: the norm's output is rounded to the tensor dtype (the separate path stores it), the pe channels
 (the trailing ``2 * cos.shape[-1]``) are rotated from it in fp32 and rounded once more; ``r = rsqrt(mean(x^2)
-+ eps)`` (fp32, per row) is kept for the backward. Backward: the RoPE gradient of ``dy`` (the opposite
++ eps)`` (fp32, per row) is kept for the backward, or, on the one-pass path with ``keep_r=False`` (the
+training path), not written at all: the backward recomputes it from ``x`` with the forward's own code
+(:func:`recomputes_r`, ``q_rms_norm.kernel_common._one_pass_r``), so the forward allocates one output, not two
+(host cost, issue 16 §4); y, r and dx are the same bits either way, kv's ``dw`` (tolerance, deterministic) may
+differ in the last bits (each compiled variant sums a block's rows in its own layout's order). Backward: the
+RoPE gradient of ``dy`` (the opposite
 rotation rounded to the dtype, every channel ``+ 0.0``: ``fleet_ext.ops.rope.kernel.rope_grad``) is formed
 in registers and fed to the norm's gradient (``fleet_ext.ops.q_rms_norm.kernel_bwd``, times the gain for kv);
 kv's gain gradient ``dw = sum over rows of g * (x * r)`` comes from the same launch (``kernel_bwd.py``), plus a
@@ -151,16 +156,27 @@ def _tuning() -> tuple:
 
 def _fwd_tuning() -> tuple:
     """What a forward plan depends on beyond its arguments: the part of :func:`_tuning` the forward reads (the
-    key is built per call, so the backward's knobs stay out of it)."""
+    key is built per call, so the rest of the backward's knobs stay out of it; ``DW_FUSED`` decides whether the
+    kv backward can recompute ``r``)."""
     return (tuple(TUNE.items()) if TUNE else (), GEOMETRY["q_fwd"], GEOMETRY["kv_fwd"], q_kernel.STREAM,
             q_kernel.MAX_TILES, kernel_order.TORCH_VEC_MIN_D, kernel_order.TORCH_WARP_HALVING, is_interpreted(),
-            rope_kernel.USE_PTX)
+            rope_kernel.USE_PTX, DW_FUSED)
+
+
+def recomputes_r(d: int, order: Order, kv: bool) -> bool:
+    """The backward can recompute ``r`` from ``x`` bit for bit, so the fused forward need not write it: a one-pass
+    row program (torch order) runs the forward's ``_one_pass_r`` on the same chunks; for kv only with the gain
+    gradient inside the row programs (``DW_FUSED``: the dedicated gain programs read ``r``)."""
+    if not q_kernel._one_pass(d, order, PHASE_FUSED):
+        return False
+    return not kv or _dw_fused(d, order, _config(d, order, PHASE_FUSED, backward=True, kv=True))
 
 
 def _prepare_fwd(key: tuple, x: Any, r: Any, cos: Any, sin: Any, weight: Any, phase: int, eps: float,
-                 order: Order | None) -> Plan:
+                 order: Order | None, keep_r: bool = True) -> Plan:
     """Check (the same checks, order and messages as an uncached call) and plan the forward launch.
-    ``info``: (the row statistics' shape, fp32 in x's framework)."""
+    ``info``: (the row statistics' shape, fp32 in x's framework, whether the launch writes ``r``: always but for
+    a fused forward without ``keep_r`` whose backward recomputes it)."""
     if phase == PHASE_APPLY:
         _check_r(x, r, "norm_rope_apply")
     half = check_args(x, cos, sin, weight, "kv_norm_rope" if weight is not None else "q_norm_rope")
@@ -168,7 +184,8 @@ def _prepare_fwd(key: tuple, x: Any, r: Any, cos: Any, sin: Any, weight: Any, ph
     shape, strides = _geometry(x)
     b, s, h, d = shape
     rows = b * s * h
-    info = (tuple(_rows_shape(x)), q_kernel._float32_of(x))
+    store = keep_r or phase != PHASE_FUSED or not recomputes_r(d, order, weight is not None)
+    info = (tuple(_rows_shape(x)), q_kernel._float32_of(x), store)
     if rows == 0 or d == 0:
         return _FWD_PLANS.add(key, Plan(None, info=info))
     cfg = _config(d, order, phase, backward=False, kv=weight is not None)
@@ -177,14 +194,15 @@ def _prepare_fwd(key: tuple, x: Any, r: Any, cos: Any, sin: Any, weight: Any, ph
         strides[2] = step
     meta = dict(D=d, NOPE=d - 2 * half, PHASE=phase, FLAVOR=order.flavor, HAS_W=weight is not None,
                 DOWNCAST=dtype_name(x) != "float32", FLAT_ROWS=step is not None, USE_PTX=rope_kernel.USE_PTX,
-                enable_fp_fusion=False, **cfg)
+                STORE_R=store, enable_fp_fusion=False, **cfg)
     scalars = (rows, s, h, *strides, *_tables(cos, sin, b), float(order.mean_factor), float(eps))
     return _FWD_PLANS.add(key, Plan((triton.cdiv(rows, cfg["BLOCK_R"]),), scalars, meta, info, is_standard(x)))
 
 
 def _forward_plan(x: Any, r: Any, cos: Any, sin: Any, weight: Any, phase: int, eps: float,
                   order: Order | None) -> Plan:
-    key = (layout_key(x), _key(r), layout_key(cos), layout_key(sin), _key(weight), phase, eps, order, _fwd_tuning())
+    key = (layout_key(x), _key(r), layout_key(cos), layout_key(sin), _key(weight), phase, eps, order, True,
+           _fwd_tuning())
     return _FWD_PLANS.get(key) or _prepare_fwd(key, x, r, cos, sin, weight, phase, eps, order)
 
 
@@ -199,9 +217,10 @@ def _rows_shape(x: Any) -> list[int]:
     return shape_of(x)[:-1] + [1]
 
 
-def _check_r(x: Any, r: Any, fn: str) -> None:
+def _check_r(x: Any, r: Any, fn: str, name: str = "r") -> None:
     if shape_of(r) != _rows_shape(x) or dtype_name(r) != "float32" or not r.is_contiguous():
-        raise ValueError(f"{fn}: `r` must be a contiguous float32 {_rows_shape(x)}, got {dtype_name(r)} {shape_of(r)}")
+        raise ValueError(f"{fn}: `{name}` must be a contiguous float32 {_rows_shape(x)}, got {dtype_name(r)} "
+                         f"{shape_of(r)}")
 
 
 def norm_rope_apply(x: Any, r: Any, cos: Any, sin: Any, weight: Any = None) -> Any:
@@ -210,14 +229,19 @@ def norm_rope_apply(x: Any, r: Any, cos: Any, sin: Any, weight: Any = None) -> A
 
 
 def norm_rope_fused(x: Any, eps: float, cos: Any, sin: Any, weight: Any = None,
-                    order: Order | None = None) -> tuple[Any, Any]:
-    """One launch: ``(y, r)`` with ``r = rsqrt(mean(x^2) + eps)`` summed in ``order`` and ``y = rope(norm(x))``."""
+                    order: Order | None = None, keep_r: bool = True) -> tuple[Any, Any]:
+    """One launch: ``(y, r)`` with ``r = rsqrt(mean(x^2) + eps)`` summed in ``order`` and ``y = rope(norm(x))``.
+
+    ``keep_r=False`` (the training path): ``r`` is None, neither allocated nor written, where the backward
+    recomputes it (:func:`recomputes_r`; pass ``r=None`` and ``eps`` to :func:`norm_rope_bwd`): one output, one
+    allocation less per call (host cost, issue 16 §4). Elsewhere ``r`` is returned as ever."""
     key = (layout_key(x), None, layout_key(cos), layout_key(sin), None if weight is None else layout_key(weight),
-           PHASE_FUSED, eps, order, _fwd_tuning())  # _forward_plan's key, inlined: the hot path of a tiny input
-    plan = _FWD_PLANS.get(key) or _prepare_fwd(key, x, None, cos, sin, weight, PHASE_FUSED, eps, order)
-    r = empty_like(x, shape=plan.info[0], dtype=plan.info[1])
+           PHASE_FUSED, eps, order, keep_r, _fwd_tuning())  # _forward_plan's key, inlined: the hot path
+    plan = _FWD_PLANS.get(key) or _prepare_fwd(key, x, None, cos, sin, weight, PHASE_FUSED, eps, order, keep_r)
     y = empty_same(x, plan.standard)
-    fire(_norm_rope_fwd_kernel, plan, x, y, r, weight if weight is not None else x, cos, sin)
+    r = empty_like(x, shape=plan.info[0], dtype=plan.info[1]) if plan.info[2] else None
+    # without r (STORE_R false) the kernel never touches r_ptr: x stands in, as it does for a missing gain
+    fire(_norm_rope_fwd_kernel, plan, x, y, x if r is None else r, weight if weight is not None else x, cos, sin)
     return y, r
 
 
@@ -234,15 +258,22 @@ def _dw_plan(rows: int, d: int) -> tuple[int, int, int, int]:
     return block_c, step, triton.cdiv(rows, seg_rows), seg_rows
 
 
-def _prepare_bwd(key: tuple, dy: Any, x: Any, r: Any, cos: Any, sin: Any, weight: Any, order: Order | None) -> Plan:
+def _prepare_bwd(key: tuple, dy: Any, x: Any, r: Any, cos: Any, sin: Any, weight: Any, order: Order | None,
+                 eps: float | None = None, r_out: Any = None) -> Plan:
     """Check (same order and messages as an uncached call) and plan the backward launch and, for kv with more
-    than one row segment, the gain's reduce. ``info``: (d, fp32 dtype, segments, the reduce's plan or None)."""
+    than one row segment, the gain's reduce. ``info``: (d, fp32 dtype, segments, the reduce's plan or None).
+    ``r`` None: recomputed from ``x`` with ``eps`` (and written to ``r_out`` when given)."""
     check_args(x, cos, sin, weight, "norm_rope (backward)")
     if shape_of(dy) != shape_of(x) or dtype_name(dy) != dtype_name(x):
         raise ValueError(f"norm_rope (backward): `dy` must be {dtype_name(x)} {shape_of(x)} like x, "
                          f"got {dtype_name(dy)} {shape_of(dy)}")
-    _check_r(x, r, "norm_rope (backward)")
+    if r is not None:
+        _check_r(x, r, "norm_rope (backward)")
     order = order or default_order(x)
+    q_kernel.check_recompute(r, eps, r_out, recomputes_r(shape_of(x)[-1], order, weight is not None),
+                             "norm_rope (backward)", "the streamed kernels or the kv gain's dedicated programs")
+    if r_out is not None:
+        _check_r(x, r_out, "norm_rope (backward)", "r_out")
     (b, s, h, d), x_strides = _geometry(x)
     _, g_strides = _geometry(dy)
     rows = b * s * h
@@ -265,8 +296,10 @@ def _prepare_bwd(key: tuple, dy: Any, x: Any, r: Any, cos: Any, sin: Any, weight
         grid = (n_dw + triton.cdiv(rows, cfg["BLOCK_R"]),)
     meta = dict(D=d, NOPE=d - 2 * int(cos.shape[-1]), FLAVOR=order.flavor, HAS_W=weight is not None,
                 DOWNCAST=dtype_name(x) != "float32", FLAT_ROWS=flat, USE_PTX=rope_kernel.USE_PTX,
-                BLOCK_C=block_c, DW_ROWS=dw_rows, DW_FUSED=fused, enable_fp_fusion=False, **cfg)
-    scalars = (rows, seg_rows, n_dw, s, h, *x_strides, *g_strides, *_tables(cos, sin, b), float(order.inv_d))
+                BLOCK_C=block_c, DW_ROWS=dw_rows, DW_FUSED=fused, RECOMPUTE_R=r is None, STORE_R=r_out is not None,
+                enable_fp_fusion=False, **cfg)
+    scalars = (rows, seg_rows, n_dw, s, h, *x_strides, *g_strides, *_tables(cos, sin, b), float(order.inv_d),
+               float(order.mean_factor), 0.0 if r is not None else float(eps))
     reduce = _reduce_plan(n_seg, d, fused, block_c) if n_seg > 1 else None
     return _BWD_PLANS.add(key, Plan(grid, scalars, meta, (d, fp32, n_seg, reduce), is_standard(x)))
 
@@ -291,12 +324,16 @@ def _reduce_plan(n_seg: int, d: int, fused: bool, block_c: int) -> Plan:
 
 
 def norm_rope_bwd(dy: Any, x: Any, r: Any, cos: Any, sin: Any, weight: Any = None,
-                  order: Order | None = None) -> tuple[Any, Any]:
+                  order: Order | None = None, eps: float | None = None, r_out: Any = None) -> tuple[Any, Any]:
     """``(dx, dw)``: the gradients for ``x`` (new contiguous, like x) and, with a gain, for it (fp32 [d]; else
-    None), given ``dy`` (like x, any strides) and the forward's ``r``."""
-    key = (layout_key(dy), layout_key(x), layout_key(r), layout_key(cos), layout_key(sin), _key(weight), order,
-           _tuning())
-    plan = _BWD_PLANS.get(key) or _prepare_bwd(key, dy, x, r, cos, sin, weight, order)
+    None), given ``dy`` (like x, any strides) and the forward's ``r``.
+
+    ``r=None`` (after ``norm_rope_fused(.., keep_r=False)``): ``r`` is recomputed from ``x`` with the forward's
+    ``eps`` by the forward's own code (bitwise the forward's ``r``); ``r_out`` (a contiguous fp32 tensor of
+    ``r``'s shape) then receives it (tests compare it with the forward's)."""
+    key = (layout_key(dy), layout_key(x), _key(r), layout_key(cos), layout_key(sin), _key(weight), order, eps,
+           _key(r_out), _tuning())
+    plan = _BWD_PLANS.get(key) or _prepare_bwd(key, dy, x, r, cos, sin, weight, order, eps, r_out)
     d, fp32, n_seg, reduce = plan.info
     dx = empty_same(x, plan.standard)
     dw = empty_like(x, shape=(d,), dtype=fp32) if weight is not None else None
@@ -305,8 +342,9 @@ def norm_rope_bwd(dy: Any, x: Any, r: Any, cos: Any, sin: Any, weight: Any = Non
             dw.zero_()  # a sum over no rows
         return dx, dw
     part = dw if n_seg <= 1 else empty_like(dw, shape=[n_seg, d])
-    fire(_norm_rope_bwd_kernel, plan, x, dy, r, dx, weight if weight is not None else x,
-         part if part is not None else r, cos, sin)
+    stats = r if r is not None else (r_out if r_out is not None else x)  # x: an untouched stand-in (RECOMPUTE_R)
+    fire(_norm_rope_bwd_kernel, plan, x, dy, stats, dx, weight if weight is not None else x,
+         part if part is not None else stats, cos, sin)
     if reduce is not None:
         fire(_dw_reduce_kernel, reduce, part, dw)
     return dx, dw

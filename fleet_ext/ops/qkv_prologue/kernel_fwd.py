@@ -2,9 +2,10 @@
 
 PHASE 1 (apply; the CPU path): ``r`` is given (Paddle's own rsqrt, see ``kernel.py``). PHASE 2 (fused; the
 GPU path): ``r = rsqrt(mean(x^2) + eps)`` is computed here, in the summation order of the eager path
-(``fleet_ext.ops.q_rms_norm.kernel_order``), and stored for the backward. ``ONE_PASS`` (torch's order, at
-most ``MAX_TILES`` chunks): the row's chunks stay in registers for the sum and the output, so each input
-byte is read once (plus the pe partners of the last chunks, from the same cache lines). Device code only.
+(``fleet_ext.ops.q_rms_norm.kernel_order``), and stored for the backward unless the backward recomputes it
+(``STORE_R`` false: one-pass plans only). ``ONE_PASS`` (torch's order, at most ``MAX_TILES`` chunks): the
+row's chunks stay in registers for the sum and the output, so each input byte is read once (plus the pe
+partners of the last chunks, from the same cache lines). Device code only.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fleet_ext.ops.q_rms_norm.kernel_common import _combine, _put, _row_offsets, _row_sum, _tile
+from fleet_ext.ops.q_rms_norm.kernel_common import _one_pass_r, _put, _row_offsets, _row_sum, _row_tiles
 from fleet_ext.ops.qkv_prologue.kernel_common import _out_cols, _table_offsets
 
 
@@ -34,36 +35,16 @@ def _fwd_one_pass(
     x_ptr, y_ptr, r_ptr, w_ptr, cos_ptr, sin_ptr, rows, row_mask, x_row, x_sd, tab_c, tab_s, c_sk, n_sk,
     mean_factor, eps, D: tl.constexpr, NOPE: tl.constexpr, BLOCK_R: tl.constexpr, LANES: tl.constexpr,
     ACC_INNER: tl.constexpr, HALVING: tl.constexpr, HAS_W: tl.constexpr, DOWNCAST: tl.constexpr,
-    USE_PTX: tl.constexpr, STREAM: tl.constexpr,
+    USE_PTX: tl.constexpr, STREAM: tl.constexpr, STORE_R: tl.constexpr,
 ):
-    """PHASE 2, torch order: the row's (at most 8) chunks held in registers for the sum and the output."""
+    """PHASE 2, torch order: the row's (at most 8) chunks held in registers for the sum and the output; ``r``
+    from the q norm's ``_one_pass_r`` (the code a backward that recomputes ``r`` runs), written if STORE_R."""
     C: tl.constexpr = LANES * 4
     NT: tl.constexpr = (D + C - 1) // C
-    x0 = _tile(x_ptr, x_row, x_sd, row_mask, 0, C, D, STREAM)
-    acc = x0 * x0  # = 0 + x0^2 (squares are never -0), as the q norm's one-pass kernel
-    if NT > 1:
-        x1 = _tile(x_ptr, x_row, x_sd, row_mask, 1, C, D, STREAM)
-        acc = acc + x1 * x1
-    if NT > 2:
-        x2 = _tile(x_ptr, x_row, x_sd, row_mask, 2, C, D, STREAM)
-        acc = acc + x2 * x2
-    if NT > 3:
-        x3 = _tile(x_ptr, x_row, x_sd, row_mask, 3, C, D, STREAM)
-        acc = acc + x3 * x3
-    if NT > 4:
-        x4 = _tile(x_ptr, x_row, x_sd, row_mask, 4, C, D, STREAM)
-        acc = acc + x4 * x4
-    if NT > 5:
-        x5 = _tile(x_ptr, x_row, x_sd, row_mask, 5, C, D, STREAM)
-        acc = acc + x5 * x5
-    if NT > 6:
-        x6 = _tile(x_ptr, x_row, x_sd, row_mask, 6, C, D, STREAM)
-        acc = acc + x6 * x6
-    if NT > 7:
-        x7 = _tile(x_ptr, x_row, x_sd, row_mask, 7, C, D, STREAM)
-        acc = acc + x7 * x7
-    r = tl.math.rsqrt(_combine(acc, BLOCK_R, LANES, 4, ACC_INNER, HALVING) * mean_factor + eps)
-    tl.store(r_ptr + rows, r, mask=row_mask)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _row_tiles(x_ptr, x_row, x_sd, row_mask, C, D, NT, STREAM)
+    r = _one_pass_r(x0, x1, x2, x3, x4, x5, x6, x7, mean_factor, eps, NT, BLOCK_R, LANES, ACC_INNER, HALVING)
+    if STORE_R:
+        tl.store(r_ptr + rows, r, mask=row_mask)
     _put_out(x0, 0, x_ptr, y_ptr, rows, row_mask, x_row, x_sd, r, w_ptr, cos_ptr, sin_ptr, tab_c, tab_s, c_sk, n_sk,
              C, NOPE, D, HAS_W, DOWNCAST, USE_PTX, STREAM)
     if NT > 1:
@@ -133,8 +114,10 @@ def _norm_rope_fwd_kernel(
     LANES: tl.constexpr, NACC: tl.constexpr, ACC_INNER: tl.constexpr, HALVING: tl.constexpr,
     PHASE: tl.constexpr, FLAVOR: tl.constexpr, HAS_W: tl.constexpr, DOWNCAST: tl.constexpr,
     ONE_PASS: tl.constexpr, FLAT_ROWS: tl.constexpr, STREAM: tl.constexpr, USE_PTX: tl.constexpr,
+    STORE_R: tl.constexpr,
 ):
-    """y = rope(norm(x)) for BLOCK_R rows of x [b, s, h, d] (kv: h = 1); r = the norm's rsqrt, per row."""
+    """y = rope(norm(x)) for BLOCK_R rows of x [b, s, h, d] (kv: h = 1); r = the norm's rsqrt, per row (written
+    unless STORE_R is false, which only a one-pass plan sets: its backward recomputes r)."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < n_rows
     x_row = _row_offsets(rows, S, H, s_b, s_s, s_h, FLAT_ROWS)
@@ -142,7 +125,7 @@ def _norm_rope_fwd_kernel(
     if ONE_PASS:
         _fwd_one_pass(x_ptr, y_ptr, r_ptr, w_ptr, cos_ptr, sin_ptr, rows, row_mask, x_row, s_d, tab_c, tab_s,
                       c_sk, n_sk, mean_factor, eps, D, NOPE, BLOCK_R, LANES, ACC_INNER, HALVING, HAS_W, DOWNCAST,
-                      USE_PTX, STREAM)
+                      USE_PTX, STREAM, STORE_R)
     else:
         _fwd_streamed(x_ptr, y_ptr, r_ptr, w_ptr, cos_ptr, sin_ptr, rows, row_mask, x_row, s_d, tab_c, tab_s,
                       c_sk, n_sk, mean_factor, eps, D, NOPE, BLOCK_R, BLOCK_D, LANES, NACC, ACC_INNER, HALVING,
