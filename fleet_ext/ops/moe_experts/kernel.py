@@ -256,14 +256,31 @@ WS_GATE_UP = {"BM": 64, "BN": 128, "BK": 64, "GROUP_M": 8, "STAGES": 4, "COOP": 
               "LOADER_REGS": 40}
 
 
-def gate_up_ws_fits(rows: Any, weight1: Any) -> str | None:
-    """None when the warp-specialised gate+up can run this call, else why not (the Triton kernel's reason)."""
+def hopper_16bit(tensor: Any) -> str | None:
+    """None on a Hopper GPU with a bf16/fp16 tensor (what every warp-specialised kernel here needs), else why not."""
     cap = capability.detect()
     if cap.interpreter or not cap.gpu or cap.sm is None or cap.sm[0] != 9:
         return "not a Hopper GPU (sm90)"
-    if dtype_name(rows) not in ("bfloat16", "float16"):
-        return f"dtype {dtype_name(rows)} (needs bf16/fp16)"
+    if dtype_name(tensor) not in ("bfloat16", "float16"):
+        return f"dtype {dtype_name(tensor)} (needs bf16/fp16)"
+    return None
+
+
+def ws_choice(switch: str, name: str, why_not: str | None, n_rows: int, experts: int) -> bool:
+    """Whether a warp-specialised kernel runs: ``switch`` "triton" never, "gluon" always (raising with ``why_not``
+    when it cannot), "auto" where it fits and the groups are small (where each measured faster than Triton)."""
+    if switch == "triton" or n_rows == 0:
+        return False
+    if switch == "gluon" and why_not is not None:
+        raise ValueError(f"moe_experts: {name} = 'gluon' cannot run here: {why_not}")
+    return why_not is None and (switch == "gluon" or n_rows < SMALL_GROUP_ROWS * experts)
+
+
+def gate_up_ws_fits(rows: Any, weight1: Any) -> str | None:
+    """None when the warp-specialised gate+up can run this call, else why not (the Triton kernel's reason)."""
     dim, two_i = shape_of(weight1)[1], shape_of(weight1)[2]
+    if hopper_16bit(rows) is not None:
+        return hopper_16bit(rows)
     if dim % WS_GATE_UP["BK"] or (two_i // 2) % 8:
         return f"D {dim} not a multiple of {WS_GATE_UP['BK']} or I {two_i // 2} of 8 (TMA tiles of one expert)"
     if not tma_route(_grouped_gate_up, rows, weight1):
@@ -273,15 +290,8 @@ def gate_up_ws_fits(rows: Any, weight1: Any) -> str | None:
 
 def use_ws_gate_up(rows: Any, weight1: Any) -> bool:
     """Whether ``gate_up`` runs the warp-specialised kernel on these tensors (``GATE_UP_KERNEL``)."""
-    n_rows, experts = shape_of(rows)[0], shape_of(weight1)[0]
-    if GATE_UP_KERNEL == "triton" or n_rows == 0:
-        return False
-    if GATE_UP_KERNEL == "auto" and n_rows >= SMALL_GROUP_ROWS * experts:
-        return False
-    why_not = gate_up_ws_fits(rows, weight1)
-    if GATE_UP_KERNEL == "gluon" and why_not is not None:
-        raise ValueError(f"moe_experts: kernel.GATE_UP_KERNEL = 'gluon' cannot run here: {why_not}")
-    return why_not is None
+    why_not = gate_up_ws_fits(rows, weight1) if GATE_UP_KERNEL != "triton" else None
+    return ws_choice(GATE_UP_KERNEL, "kernel.GATE_UP_KERNEL", why_not, shape_of(rows)[0], shape_of(weight1)[0])
 
 
 def _launch_ws_gate_up(rows: Any, counts: Any, weight1: Any, gate_up_out: Any, h: Any, limit: float) -> None:

@@ -26,16 +26,16 @@ from typing import Any
 import triton
 import triton.language as tl
 
-from fleet_ext import capability
 from fleet_ext.ops.launch import detached, dtype_name, empty_like, launch, shape_of, strides_of, torch_view
 from fleet_ext.ops.moe_experts.kernel import (
-    SMALL_GROUP_ROWS,
     check_args,
     dot_precision,
     experts_pad,
+    hopper_16bit,
     launch_config,
     row_grid,
     rows_gemm,
+    ws_choice,
 )
 from fleet_ext.ops.moe_experts.kernel_tiles import (
     _load_ragged,
@@ -203,11 +203,8 @@ WS_D_WEIGHT = {"BM": 128, "BN": 256, "BK": 64, "STAGES": 3, "MMA_REGS": 232, "LO
 
 def d_weight_ws_fits(a: Any, b: Any, out: Any) -> str | None:
     """None when the warp-specialised weight gradient can run this call, else why not (the Triton kernel's reason)."""
-    cap = capability.detect()
-    if cap.interpreter or not cap.gpu or cap.sm is None or cap.sm[0] != 9:
-        return "not a Hopper GPU (sm90)"
-    if dtype_name(a) not in ("bfloat16", "float16"):
-        return f"dtype {dtype_name(a)} (needs bf16/fp16)"
+    if hopper_16bit(a) is not None:
+        return hopper_16bit(a)
     if shape_of(a)[1] % WS_D_WEIGHT["BM"]:
         return f"M {shape_of(a)[1]} not a multiple of {WS_D_WEIGHT['BM']} (output tiles of one expert)"
     if not tma_route(_grouped_d_weight, a, b, out):
@@ -217,15 +214,8 @@ def d_weight_ws_fits(a: Any, b: Any, out: Any) -> str | None:
 
 def use_ws_d_weight(a: Any, b: Any, out: Any) -> bool:
     """Whether ``weight_grad`` runs the warp-specialised kernel on these tensors (``D_WEIGHT_KERNEL``)."""
-    n_rows, experts = shape_of(a)[0], shape_of(out)[0]
-    if D_WEIGHT_KERNEL == "triton" or n_rows == 0:
-        return False
-    if D_WEIGHT_KERNEL == "auto" and n_rows >= SMALL_GROUP_ROWS * experts:
-        return False
-    why_not = d_weight_ws_fits(a, b, out)
-    if D_WEIGHT_KERNEL == "gluon" and why_not is not None:
-        raise ValueError(f"moe_experts: kernel_bwd.D_WEIGHT_KERNEL = 'gluon' cannot run here: {why_not}")
-    return why_not is None
+    why_not = d_weight_ws_fits(a, b, out) if D_WEIGHT_KERNEL != "triton" else None
+    return ws_choice(D_WEIGHT_KERNEL, "kernel_bwd.D_WEIGHT_KERNEL", why_not, shape_of(a)[0], shape_of(out)[0])
 
 
 def _launch_ws_d_weight(a: Any, b: Any, counts: Any, out: Any) -> None:
