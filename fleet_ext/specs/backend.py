@@ -59,6 +59,8 @@ class BackendProvider:
         permute = self._resolve("moe_permute_fusion")  # its module's `unpermute` is the inverse, resolved with it
         router = self._resolve("moe_router_fusion")  # off: the routers' own maths (the reference's op sequence)
         experts = self._resolve("moe_expert_fusion")  # off: the experts layer's own grouped MLP (the reference)
+        if config.fusion.moe_expert_fusion:
+            self._note_hopper_experts()
         self.moe_ops = MoEOps(permute=permute, unpermute=importlib.import_module(permute.__module__).unpermute,
                               router=router if config.fusion.moe_router_fusion else None,
                               experts=experts if config.fusion.moe_expert_fusion else None)
@@ -79,6 +81,17 @@ class BackendProvider:
         self._rows.append(ResolvedSwitch("mqa_sparse_attn_backward_backend",
                                          config.fusion.mqa_sparse_attn_backward_backend, backward,
                                          "the only backward built: atomic-free, byte-identical run to run"))
+
+    def _note_hopper_experts(self) -> None:
+        """On Hopper the experts' gate+up and weight gradients take warp-specialised Gluon kernels for small expert
+        groups (``moe_experts.kernel.ws_choice``): the start-up table says so on their row."""
+        from fleet_ext.ops.moe_experts.kernel import SMALL_GROUP_ROWS, hopper_dtype
+
+        if hopper_dtype("bfloat16") is None:
+            row = self._rows[-1]
+            self._rows[-1] = ResolvedSwitch(row.switch, row.value, row.backend + (
+                f"; bf16/fp16 with < {SMALL_GROUP_ROWS} rows per expert: warp-specialised Gluon gate+up and weight "
+                "gradient"), row.reason)
 
     def _sparse_backend(self, switch: str, reference: Callable, remap: Callable) -> Callable:
         """The gather-softmax reference, or the Triton sparse-attention kernel family (fwd + deterministic bwd)."""

@@ -65,6 +65,17 @@ def test_sparse_backend_row_names_the_hopper_forward(sm):
         assert ("warp-specialised Gluon" in rows[switch].backend) == (sm == (9, 0))
 
 
+@pytest.mark.parametrize("sm", [(8, 0), (9, 0)], ids=["sm80", "sm90"])
+def test_expert_row_names_the_hopper_kernels(sm):
+    """The start-up table says where the experts' warp-specialised Gluon kernels run: sm90 only
+    (``moe_experts.kernel.hopper_dtype``), the Triton kernels elsewhere."""
+    config = load_config(TINY, moe_expert_fusion=True)
+    with capability.override(_cap(sm=sm)):
+        rows = {r.switch: r for r in BackendProvider(config).resolved}
+    assert rows["moe_expert_fusion"].backend.startswith(f"Triton sm{sm[0]}{sm[1]}")
+    assert ("warp-specialised Gluon gate+up and weight gradient" in rows["moe_expert_fusion"].backend) == (sm == (9, 0))
+
+
 def test_a_derived_fusion_withheld_on_gpus_keeps_the_composition_there(monkeypatch):
     """A derived fusion whose GPU test failed (``gpu_withheld``, planted here on kv_norm_rope: none is withheld
     today) gives a GPU the two separate ops, with the reason, and the CPU the kernel."""

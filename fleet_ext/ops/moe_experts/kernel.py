@@ -256,14 +256,19 @@ WS_GATE_UP = {"BM": 64, "BN": 128, "BK": 64, "GROUP_M": 8, "STAGES": 4, "COOP": 
               "LOADER_REGS": 40}
 
 
-def hopper_16bit(tensor: Any) -> str | None:
-    """None on a Hopper GPU with a bf16/fp16 tensor (what every warp-specialised kernel here needs), else why not."""
+def hopper_dtype(dtype: str) -> str | None:
+    """None on a Hopper GPU for bf16/fp16 (what every warp-specialised kernel here needs), else why not."""
     cap = capability.detect()
     if cap.interpreter or not cap.gpu or cap.sm is None or cap.sm[0] != 9:
         return "not a Hopper GPU (sm90)"
-    if dtype_name(tensor) not in ("bfloat16", "float16"):
-        return f"dtype {dtype_name(tensor)} (needs bf16/fp16)"
+    if dtype not in ("bfloat16", "float16"):
+        return f"dtype {dtype} (needs bf16/fp16)"
     return None
+
+
+def hopper_16bit(tensor: Any) -> str | None:
+    """:func:`hopper_dtype` of ``tensor``'s dtype."""
+    return hopper_dtype(dtype_name(tensor))
 
 
 def ws_choice(switch: str, name: str, why_not: str | None, n_rows: int, experts: int) -> bool:
