@@ -340,7 +340,10 @@ FUSIONS: dict[str, Fusion] = {
             summary="grouped expert GEMMs over the expert-sorted rows (no padding to a capacity; tile map built on the "
             "device from the counts, no host read): gate+up with the clamped SwiGLU epilogue, down; backward with "
             "the SwiGLU backward in the d_h epilogue and deterministic weight gradients (fixed-order sums, no "
-            "atomics); operands through TMA descriptors where widths allow (pointer loads otherwise)",
+            "atomics); operands through TMA descriptors where widths allow (pointer loads otherwise); on Hopper, "
+            "bf16/fp16 with small expert groups (< 512 rows per expert), the gate+up and the weight gradients run "
+            "warp-specialised Gluon kernels (a TMA loader warp, two MMA warpgroups; byte-equal to the Triton kernels "
+            "on the H200)",
             fused="fleet_ext.ops.moe_experts.function:experts",
             reference="fleet_ext.ops.moe_experts.reference:grouped_mlp",
             recompute_safe=_yes(_EXPERTS_TEST + "test_tiny_model_under_recompute_is_bitwise_equal_to_no_recompute"),
