@@ -2,6 +2,7 @@
 
 Run on the H200 (torch + Triton, no Paddle):
     python scripts/bench/bench_moe.py [--out DIR] [--experts 256 32] [--sections route experts layer]
+    python scripts/bench/bench_moe.py --sections permute --no-compile --diagnose   # the permute section alone
     python scripts/bench/bench_moe.py --warm I/N   # compile shard I of N of the expert GEMMs' candidates, untimed
 
 ``route`` (this module) times the router and the permute / unpermute, as below; ``experts`` and ``layer``
@@ -20,8 +21,11 @@ as autograd does); ``torch.compile`` compiles that function; "fused" is ``fleet_
 fused output is checked against the eager one before timing (bitwise where the tests say so, else close).
 Bandwidth counts the fewest bytes (each input read once, each output written once) against a device-to-device
 copy measured in the same run; the copy kernels' launch settings are swept and the best is reported (the
-sweep is printed). Times are medians of ``triton.testing.do_bench``. Prints one table last, writes
-bench_moe.json.
+sweep is printed). The fused permute (``route_permute``: histogram, scan, rows + copy) sweeps ``PERMUTE_VARIANTS``
+(changes to its ``TUNE``), each checked exactly against eager (rows, tables, counts, offsets) before timing, with
+its CUDA-graph time and the CPU's enqueue time per call. ``--diagnose`` adds the routing alone, the copy alone
+(rows given), the same bytes written in order by a torch broadcast copy, and the write-only bandwidth. Times are
+medians of ``triton.testing.do_bench``. Prints one table last, writes bench_moe.json.
 """
 
 from __future__ import annotations
@@ -46,6 +50,18 @@ from fleet_ext.ops.moe_router import kernel as router_kernel  # noqa: E402
 T, D, K = 8192, 4096, 6
 DEVICE = "cuda"
 COPY_VARIANTS = [(1, 2048, 8), (1, 4096, 8), (2, 1024, 4)]  # (BLOCK_T, BLOCK_D, warps)
+# The fused permute (routing + rows + copy, three launches): changes to the kernel's TUNE, each checked against eager
+PERMUTE_VARIANTS = {  # run 2 (2026-12-01) also swept maxnreg 40 / 32, 16 and 4 warps: 1.3-2.8x slower, dropped
+    "base": {},  # the defaults in kernel.TUNE
+    "one1": {"permute_one": 1},  # 1-D counts per slot (``_one_token_rows``) instead of the [k, block] comparison
+    "one1mr48": {"permute_one": 1, "permute_maxnreg": 48},
+    "br64": {"route_block_t": 64},
+    "mr48": {"permute_maxnreg": 48},
+    "bd2048": {"permute_block_d": 2048},
+    "pdl0": {"pdl": 0},
+    "stream": {"permute_stream": 1},
+    "bt2": {"permute_block_t": 2},
+}
 BWD_VARIANTS = [(2, 1024, 4), (1, 2048, 8), (2, 2048, 8)]  # the unpermute backward's (BLOCK_T, BLOCK_D, warps)
 ROUTER_VARIANTS = [(2, 4), (4, 4), (8, 8)]  # (BLOCK_T, warps)
 
@@ -143,12 +159,27 @@ def permute_cases(experts: int) -> list[dict]:
         return d_y, d_w
 
     def fused_permute():
-        r, _, _, _ = permute_kernel.route(idx, experts)
-        return permute_kernel.permute(x, r)
+        return permute_kernel.route_permute(x, idx, experts)
+
+    def permute_ok() -> bool:
+        """The fused permute's rows, tables, counts and offsets equal eager's exactly. The outputs' sizes are filled
+        with NaN / -7 and freed first, so the caching allocator likely hands those blocks back: unwritten shows."""
+        junk = [torch.full((T * K, D), float("nan"), dtype=torch.bfloat16, device=DEVICE),
+                torch.full((2, T, K), -7, dtype=torch.int32, device=DEVICE),
+                torch.full((2 * experts + 1,), -7, dtype=torch.int64, device=DEVICE)]
+        del junk
+        out, f_rows, f_srcs, f_counts, f_offsets = fused_permute()
+        counts = torch.bincount(idx.reshape(-1), minlength=experts)
+        row_of = torch.empty_like(order)
+        row_of[order] = torch.arange(order.numel(), device=DEVICE)
+        token_rows = row_of.view(T, K).sort(dim=-1).values
+        return (torch.equal(out, x[order // K]) and torch.equal(f_rows.long(), token_rows)
+                and torch.equal(f_srcs.long(), order[token_rows]) and torch.equal(f_counts, counts)
+                and torch.equal(f_offsets, torch.cat([counts.new_zeros(1), counts.cumsum(0)])))
 
     moved = T * D * 2 * (1 + K)
     checks = {  # bitwise where the tests show it; vs index_add_ (atomics, any order): within 6 bf16 ulps
-        "permute": torch.equal(fused_permute(), x[order // K]),
+        "permute": permute_ok(),
         "unpermute": close_bf16(permute_kernel.unpermute(y, w, rows, srcs), eager_unpermute()),
         "permute_bwd": close_bf16(permute_kernel.permute_backward(y, rows, torch.bfloat16), eager_permute_bwd()),
         "unpermute_bwd": torch.equal(permute_kernel.unpermute_backward(g, y, w, rows, srcs)[0],
@@ -156,7 +187,7 @@ def permute_cases(experts: int) -> list[dict]:
     }
     return [
         dict(name=f"permute E={experts}", eager=eager_permute, fused=fused_permute, bytes=moved,
-             check=checks["permute"], tune="copy"),
+             check=checks["permute"], tune="permute", recheck=permute_ok),
         dict(name=f"unpermute E={experts}", eager=eager_unpermute,
              fused=lambda: permute_kernel.unpermute(y, w, rows, srcs), bytes=moved, check=checks["unpermute"],
              tune="copy"),
@@ -178,6 +209,8 @@ def sweep(case: dict) -> tuple[float, str, dict]:
             router_kernel.TUNE.update(block_t=block_t, warps=warps)
             times[f"bt{block_t}w{warps}"] = median_us(case["fused"])
         router_kernel.TUNE.update(saved)
+    elif case["tune"] == "permute":
+        return sweep_permute(case)
     else:
         saved = dict(permute_kernel.TUNE)
         if case["tune"] == "bwd":
@@ -191,6 +224,43 @@ def sweep(case: dict) -> tuple[float, str, dict]:
         permute_kernel.TUNE.update(saved)
     best = min(times, key=times.get)
     return times[best], best, times
+
+
+def host_us(fn, calls: int = 30) -> float:
+    """CPU time to enqueue one call (no synchronisation inside the loop: the GPU work queues up)."""
+    import time
+
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = (time.perf_counter() - t0) / calls * 1e6
+    torch.cuda.synchronize()
+    return elapsed
+
+
+def sweep_permute(case: dict) -> tuple[float, str, dict]:
+    """Each ``PERMUTE_VARIANTS`` entry: checked against eager (exact), then do_bench, CUDA graph and host enqueue
+    times; (best do_bench us, its label, all). A variant that fails its check is reported and never chosen."""
+    saved = dict(permute_kernel.TUNE)
+    times, details = {}, {}
+    for label, change in PERMUTE_VARIANTS.items():
+        permute_kernel.TUNE.update(saved)
+        permute_kernel.TUNE.update(change)
+        try:
+            ok = bool(case["recheck"]())
+            fn = case["fused"]
+            details[label] = dict(ok=ok, fused_us=median_us(fn), graph_us=graph_us(fn), host_us=host_us(fn))
+        except Exception as exc:  # report, do not hide
+            details[label] = dict(ok=False, error=f"{type(exc).__name__}: {exc}"[:200])
+        if details[label]["ok"]:
+            times[label] = details[label]["fused_us"]
+        print(f"  {case['name']} {label}: {details[label]}", flush=True)
+    permute_kernel.TUNE.update(saved)
+    case["variants"] = details
+    best = min(times, key=times.get) if times else "none"
+    return times.get(best, float("nan")), best, details
 
 
 def graph_us(fn) -> float | None:
@@ -211,34 +281,35 @@ def compiled_info(fn) -> str:
 
 
 def diagnose(experts: int) -> None:
-    """Where the fused permute's time goes: each launch's GPU time, the CPU's enqueue time, launch settings."""
-    import time
-
+    """Where the fused permute's time goes: the routing alone, the copy alone, both; GPU (graph) and CPU enqueue."""
     gen = torch.Generator(device=DEVICE).manual_seed(7)
     x = torch.randn(T, D, generator=gen, device=DEVICE).bfloat16()
     idx = torch.rand(T, experts, generator=gen, device=DEVICE).topk(K, dim=-1).indices.contiguous()
     pk = permute_kernel
-    for block_t, warps in ((8, 4), (16, 4), (16, 8), (32, 8)):
-        pk.TUNE.update(route_block_t=block_t, route_warps=warps)
-        route_rows = pk.route(idx, experts)[0]
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(50):
-            pk.route(idx, experts)
-        cpu_route = (time.perf_counter() - t0) / 50 * 1e6
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(50):
-            pk.permute(x, pk.route(idx, experts)[0])
-        cpu_all = (time.perf_counter() - t0) / 50 * 1e6
-        torch.cuda.synchronize()
-        print(f"diag E={experts} route bt{block_t} w{warps}: route graph {graph_us(lambda: pk.route(idx, experts))}"
-              f" us, copy graph {graph_us(lambda r=route_rows: pk.permute(x, r))} us, permute graph "
-              f"{graph_us(lambda: pk.permute(x, pk.route(idx, experts)[0]))} us, do_bench "
-              f"{median_us(lambda: pk.permute(x, pk.route(idx, experts)[0])):.1f} us; CPU enqueue route "
-              f"{cpu_route:.1f} us, route+copy {cpu_all:.1f} us", flush=True)
-    pk.TUNE.update(route_block_t=8, route_warps=4)
-    for name in ("_route_hist", "_route_scan", "_route_offsets", "_route_rows", "_permute_fwd", "_unpermute_fwd",
+    rows = pk.route(idx, experts)[0]
+    parts = {"route (3 launches)": lambda: pk.route(idx, experts),
+             "copy alone (rows given)": lambda: pk.permute(x, rows),
+             "route_permute (3 launches)": lambda: pk.route_permute(x, idx, experts)}
+    for label, fn in parts.items():
+        print(f"diag E={experts} {label}: graph {graph_us(fn)} us, do_bench {median_us(fn):.1f} us, "
+              f"host {host_us(fn):.1f} us", flush=True)
+    if experts == 32:
+        return
+    saved = dict(pk.TUNE)
+    for block_t, block_d, warps in [*COPY_VARIANTS, (1, 4096, 4)]:
+        pk.TUNE.update(copy_block_t=block_t, copy_block_d=block_d, copy_warps=warps)
+        fn = lambda: pk.permute(x, rows)  # noqa: E731
+        print(f"diag E={experts} copy alone bt{block_t}bd{block_d}w{warps}: graph {graph_us(fn)} us, "
+              f"do_bench {median_us(fn):.1f} us", flush=True)
+    pk.TUNE.update(saved)
+    out = torch.empty(T * K, D, dtype=torch.bfloat16, device=DEVICE)
+    broadcast = lambda: out.view(T, K, D).copy_(x[:, None, :].expand(T, K, D))  # noqa: E731
+    print(f"diag same bytes as the permute, rows in order (torch broadcast copy x -> [T, k, D]): graph "
+          f"{graph_us(broadcast)} us, do_bench {median_us(broadcast):.1f} us", flush=True)
+    write = torch.empty(1 << 29, dtype=torch.int32, device=DEVICE)  # 2 GiB, written only
+    print(f"diag write-only bandwidth (zero_ of 2 GiB): {(2 << 30) / (median_us(write.zero_) * 1e-6) / 1e9:.0f} GB/s",
+          flush=True)
+    for name in ("_route_hist", "_route_scan", "_route_rows", "_permute_fwd", "_permute_copy", "_unpermute_fwd",
                  "_unpermute_bwd", "_permute_bwd"):
         print(f"diag {name}: {compiled_info(getattr(pk, name))}")
     for name in ("_router_fwd", "_router_counts", "_router_bwd"):
@@ -273,9 +344,11 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--experts", nargs="*", type=int, default=[256, 32])
     parser.add_argument("--sections", nargs="*", default=["route", "experts", "layer"],
-                        choices=["route", "experts", "layer"])
+                        choices=["route", "permute", "experts", "layer"],
+                        help="route: router + permute cases; permute: the permute / unpermute cases only")
     parser.add_argument("--layer-tokens", nargs="*", type=int, default=[8192, 16384])
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--only", nargs="*", default=[""], help="only the cases whose name starts with one of these")
     parser.add_argument("--diagnose", action="store_true", help="per-launch GPU times and launch-setting sweeps")
     parser.add_argument("--warm", default=None, metavar="I/N",
                         help="only compile shard I of N of the expert GEMMs' candidates (untimed), then exit")
@@ -288,30 +361,38 @@ def main() -> None:
     header = f"{props.name}, sm{props.major}{props.minor}, torch {torch.__version__}, triton {triton.__version__}"
     if "experts" in args.sections or "layer" in args.sections:
         experts_and_layer(args, header)
-    if "route" not in args.sections:
+    if "route" not in args.sections and "permute" not in args.sections:
         return
     copy_gbs = copy_bandwidth_gbs()
     print(header, f"\ndevice copy: {copy_gbs:.0f} GB/s (read + write)", flush=True)
     rows = []
     for experts in args.experts:
-        for case in router_cases(experts) + permute_cases(experts):
+        for case in (router_cases(experts) if "route" in args.sections else []) + permute_cases(experts):
+            if not case["name"].startswith(tuple(args.only)):
+                continue
             row = {"name": case["name"], "bytes": case["bytes"], "check": bool(case["check"])}
             row["eager_us"] = median_us(case["eager"])
             skipped = (None, "skipped")
             row["compile_us"], row["compile_error"] = skipped if args.no_compile else compiled_us(case["eager"])
             row["default_us"] = median_us(case["fused"])
             row["fused_us"], row["best"], row["sweep"] = sweep(case)
+            row["variants"] = case.get("variants")
             row["graph_us"] = graph_us(case["fused"])  # the same launches replayed from a CUDA graph
             row["roof_us"] = case["bytes"] / (copy_gbs * 1e9) * 1e6
             row["pct_copy"] = 100 * row["roof_us"] / row["fused_us"]
             rows.append(row)
             print(json.dumps(row), flush=True)
             torch.cuda.empty_cache()
+    with open(os.path.join(args.out, "bench_moe.json"), "w") as fh:
+        json.dump({"gpu": props.name, "header": header, "copy_gbs": copy_gbs, "rows": rows}, fh, indent=1)
     if args.diagnose:
         for experts in args.experts:
             diagnose(experts)
-    with open(os.path.join(args.out, "bench_moe.json"), "w") as fh:
-        json.dump({"gpu": props.name, "header": header, "copy_gbs": copy_gbs, "rows": rows}, fh, indent=1)
+    for r in rows:
+        for label, v in (r.get("variants") or {}).items():  # the fused permute's sweep: do_bench, graph, host enqueue
+            print(f"sweep {r['name']:14} {label:12} ok={v['ok']!s:5} " + (
+                f"{v['fused_us']:7.1f} graph {v['graph_us'] if v['graph_us'] is None else round(v['graph_us'], 1)!s:>6}"
+                f" host {v['host_us']:6.1f}" if "fused_us" in v else v.get("error", "")))
     print(f"\n{header}; copy {copy_gbs:.0f} GB/s; T={T} D={D} k={K} bf16 rows, fp32 routing")
     print(f"{'case':24} {'eager':>8} {'compile':>8} {'fused':>8} {'dflt':>8} {'graph':>8} {'roof':>7} {'%copy':>6} "
           f"{'x eag':>6} {'x cmp':>6} ok  best")

@@ -3,7 +3,9 @@
 Run on the H200 through the device tool (torch + Triton, no Paddle): ``python -m pytest -q tests/gpu``.
 Skipped without CUDA.
 
-- **Routing** (rows per token, counts, offsets) equals ``torch.argsort(stable=True)`` / ``bincount`` exactly.
+- **Routing** (rows per token, counts, offsets) equals ``torch.argsort(stable=True)`` / ``bincount`` exactly, alone
+  (``route``) and fused with the copy (``route_permute``), under every launch setting the benchmark sweeps
+  (programmatic dependent launch on and off, routing block, register cap, block width, warps, streaming hints).
 - **Bitwise vs eager torch** in the reference's order (``fleet_ext/ops/moe_permute/reference.py``): the
   permuted rows (a gather), the combined output (``fp32(y) * w`` rounded to the output dtype, a token's rows
   added in ascending row order from zero, each add rounded to the output dtype: eager torch adds bf16 in fp32
@@ -20,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import assert_bitwise, assert_close
+from helpers import assert_bitwise, assert_close, expect_launches
 from helpers.gpu import CUDA_ONLY
 
 from fleet_ext import capability
@@ -90,6 +92,56 @@ CASES = [  # (tokens, dim, experts, k, routing)
 ]
 
 
+def _poison(x, idx, experts) -> None:
+    """Fill blocks of ``route_permute``'s output sizes with NaN / -7 and free them: the caching allocator likely
+    hands them back to the next call, so an element it leaves unwritten shows in the exact comparison."""
+    tokens, topk = idx.shape
+    junk = [torch.full((tokens * topk, x.shape[1]), float("nan"), dtype=x.dtype, device=DEVICE),
+            torch.full((2, tokens, topk), -7, dtype=torch.int32, device=DEVICE),
+            torch.full((2 * experts + 1,), -7, dtype=torch.int64, device=DEVICE)]
+    del junk
+
+
+def _assert_fused_permute(fused, x, idx, experts) -> None:
+    """``route_permute``'s rows, tables, counts and offsets equal the eager mirror's exactly."""
+    out, rows, srcs, counts, offsets = fused
+    order, token_rows, want_counts, want_offsets = eager_plan(idx, experts)
+    assert torch.equal(rows.long(), token_rows), "token_rows"
+    assert torch.equal(srcs.long(), order[token_rows]), "token_srcs"
+    assert torch.equal(counts, want_counts) and torch.equal(offsets, want_offsets), "counts / offsets"
+    assert_bitwise(out, x[order // idx.shape[1]], "fused permuted rows")
+
+
+SETTINGS = [  # launch settings the benchmark sweeps: none may change a bit of the results
+    {"pdl": 0}, {"permute_one": 1}, {"route_block_t": 32}, {"route_block_t": 64}, {"permute_maxnreg": 32},
+    {"permute_block_d": 2048}, {"permute_warps": 4}, {"permute_maxnreg": 48}, {"permute_stream": 1},
+    {"permute_block_t": 2, "permute_block_d": 512}, {"scan_block_b": 8, "scan_block_e": 16},
+]
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=["-".join(f"{k}{v}" for k, v in s.items()) for s in SETTINGS])
+@pytest.mark.parametrize("tokens, dim, experts, topk, routing", [(8192, 1024, 256, 6, "random"),
+                                                                 (1001, 96, 7, 6, "one_expert_takes_all")])
+def test_launch_settings_give_the_same_bits(kernel, setting, tokens, dim, experts, topk, routing):
+    x, idx, _, _ = make(tokens, dim, experts, topk, torch.bfloat16, routing, seed=11)
+    saved = dict(kernel.TUNE)
+    try:
+        kernel.TUNE.update(setting)
+        _poison(x, idx, experts)
+        fused = kernel.route_permute(x, idx, experts)
+        tables = kernel.route(idx.int(), experts)  # int32 ids, the tables alone (its own row kernel)
+    finally:
+        kernel.TUNE.update(saved)
+    _assert_fused_permute(fused, x, idx, experts)
+    assert all(torch.equal(a, b) for a, b in zip(tables, fused[1:])), "route() vs route_permute() tables"
+
+
+def test_programmatic_dependent_launch_is_on_where_it_can_be(kernel):
+    """The default launches overlap (PDL) on sm90+, and off by TUNE; both give the same bits (above)."""
+    major = torch.cuda.get_device_capability()[0]
+    assert kernel._use_pdl() == (bool(kernel.TUNE["pdl"]) and major >= 9)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
 @pytest.mark.parametrize("tokens, dim, experts, topk, routing", CASES,
                          ids=[f"{c[0]}x{c[1]}-e{c[2]}-k{c[3]}-{c[4]}" for c in CASES])
@@ -101,6 +153,10 @@ def test_bitwise_vs_the_eager_mirror(kernel, tokens, dim, experts, topk, routing
     assert torch.equal(srcs.long(), order[token_rows])
     permuted = kernel.permute(x, rows)
     assert_bitwise(permuted, x[order // topk], "permuted rows")
+    _poison(x, idx, experts)
+    with expect_launches("_route_hist", "_route_scan", "_permute_fwd", exactly=1):
+        fused = kernel.route_permute(x, idx, experts)  # the routing and the copy in three launches
+    _assert_fused_permute(fused, x, idx, experts)
     y = (permuted.float() * 1.25 - 0.5).to(dtype)  # a stand-in expert output
     out = kernel.unpermute(y, w, rows, srcs)
     assert_bitwise(out, eager_unpermute(y, w, order, token_rows, dtype), "combined output")
@@ -138,8 +194,7 @@ def test_deterministic_run_to_run(kernel):
     x, idx, w, g = make(8192, 4096, 256, 6, torch.bfloat16, seed=9)
 
     def once():
-        rows, srcs, counts, _ = kernel.route(idx, 256)
-        y = kernel.permute(x, rows)
+        y, rows, srcs, counts, _ = kernel.route_permute(x, idx, 256)
         return (rows, counts, y, kernel.unpermute(y, w, rows, srcs), *kernel.unpermute_backward(g, y, w, rows, srcs),
                 kernel.permute_backward(y, rows, torch.bfloat16))
 

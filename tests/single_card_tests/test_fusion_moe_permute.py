@@ -26,8 +26,8 @@ from fleet_ext.config import load_config  # noqa: E402
 from fleet_ext.ops.moe_permute import function, kernel, reference  # noqa: E402
 from fleet_ext.registry import FUSIONS  # noqa: E402
 
-ROUTE = ("_route_hist", "_route_scan", "_route_offsets", "_route_rows")
-FORWARD = (*ROUTE, "_permute_fwd", "_unpermute_fwd")
+ROUTE = ("_route_hist", "_route_scan", "_permute_fwd")  # the last computes each token's rows, then copies it
+FORWARD = (*ROUTE, "_unpermute_fwd")
 BACKWARD = ("_permute_bwd", "_unpermute_bwd")
 KERNELS = (*FORWARD, *BACKWARD)
 SWITCH = {"moe_permute_fusion": True}
@@ -121,6 +121,50 @@ def test_against_a_numpy_oracle(routing, topk):
     assert_close(got["out"], (w64[:, :, None] * y[:, None, :]).sum(1), "fp32", "oracle")
     assert_close(got["d_hidden"], 1.5 * g64 * w64.sum(1, keepdims=True), "fp32", "oracle")
     assert_close(got["d_weights"], (g64 * y).sum(1, keepdims=True) * np.ones(topk), "fp32", "oracle")
+
+
+@pytest.mark.parametrize("routing, topk", [("repeated", 4), ("empty_experts", 2)])
+def test_the_routing_tables_alone_equal_the_fused_permutes(routing, topk):
+    """``kernel.route`` (its own row kernel; the benchmarks and the expert GEMM tests route with it) gives the
+    tables ``route_permute`` gives (checked against the reference above), from int32 ids as from int64."""
+    x, idx, _, _ = _data(45, 12, 10, topk, routing, seed=4)
+    with expect_launches("_route_hist", "_route_scan", "_route_rows", exactly=1):
+        tables = kernel.route(paddle.to_tensor(idx.astype("int32")), 10)
+    with expect_launches(*ROUTE, exactly=1):
+        fused = kernel.route_permute(paddle.to_tensor(x), paddle.to_tensor(idx), 10)
+    for name, got, want in zip(("token_rows", "token_srcs", "counts", "offsets"), tables, fused[1:]):
+        assert_bitwise(got, want, name)
+
+
+GPU_SHAPES = [  # the GPU's launch shapes: one token (or two) per copy program, routing blocks smaller than T
+    {"route_block_t": 8, "permute_block_t": 1, "permute_block_d": 8, "scan_block_b": 2, "scan_block_e": 4,
+     "permute_one": 1},
+    {"route_block_t": 16, "permute_block_t": 2, "permute_block_d": 64, "rows_block_t": 4, "permute_stream": 1},
+    {"route_block_t": 4, "permute_block_t": 1, "permute_one": 0, "scan_block_b": 8, "scan_block_e": 256},
+]
+
+
+@pytest.mark.parametrize("setting", GPU_SHAPES, ids=["one_token", "two_tokens", "one_token_2d_rank"])
+@pytest.mark.parametrize("tokens, hidden, experts, topk, routing", [CASES[1], CASES[7]], ids=["odd", "repeated"])
+def test_gpu_launch_shapes_in_the_interpreter(monkeypatch, setting, tokens, hidden, experts, topk, routing):
+    """The launch shapes the GPU takes (the interpreter's own are one program per 64 tokens), run by the interpreter:
+    ``_one_token_rows`` and ``_pair_rows`` with copy programs smaller than a routing block, a D loop of several
+    blocks, the scan over several expert chunks; rows and tables equal the reference's, ``route`` equals them too."""
+    x, idx, _, _ = _data(tokens, hidden, experts, topk, routing, seed=6)
+    want, want_plan = reference.permute(paddle.to_tensor(x), paddle.to_tensor(idx), experts)
+    monkeypatch.setattr(kernel, "is_interpreted", lambda: False)  # plans only: the kernels stay interpreted
+    monkeypatch.setattr(kernel, "TUNE", {**kernel.TUNE, "pdl": 0, **setting})
+    out, rows, srcs, counts, offsets = kernel.route_permute(paddle.to_tensor(x), paddle.to_tensor(idx), experts)
+    assert_bitwise(out, want, "permuted rows")
+    assert_bitwise(counts, want_plan.counts, "counts")
+    order = want_plan.order.numpy()
+    row_of = np.empty_like(order)
+    row_of[order] = np.arange(order.size)
+    np.testing.assert_array_equal(rows.numpy(), np.sort(row_of.reshape(tokens, topk), axis=1))
+    np.testing.assert_array_equal(srcs.numpy(), order[rows.numpy()])
+    for name, got, fused in zip(("token_rows", "token_srcs", "counts", "offsets"), kernel.route(
+            paddle.to_tensor(idx), experts), (rows, srcs, counts, offsets)):
+        assert_bitwise(got, fused, name)
 
 
 def test_planted_summation_order_fails_the_bitwise_check():

@@ -5,7 +5,7 @@ the layer only hands it from one to the other) and are bitwise equal to it on th
 forward and backward, including the weights' gradient (``kernel.py`` says how each sum is ordered). Two
 PyLayers carry the autograd: ``_Permute`` (gradient: each token's row gradients added in row order) and
 ``_Unpermute`` (gradients for the expert outputs and the routing weights). The routing (a stable counting
-sort by expert) runs once, without autograd; integer indices carry no gradient.
+sort by expert) runs inside ``_Permute``'s forward, fused with the copy; integer indices carry no gradient.
 """
 
 from __future__ import annotations
@@ -40,10 +40,13 @@ def _contiguous(t: paddle.Tensor) -> paddle.Tensor:
 
 class _Permute(PyLayer):
     @staticmethod
-    def forward(ctx, hidden, rows):
-        ctx.rows = rows  # integer routing tables ride on ctx: no gradient, nothing for recompute to replay
+    def forward(ctx, hidden, indices, num_experts, tables):
+        """The routing and the row copy in one go (three launches); the integer tables go out through ``tables``."""
+        out, *routing = kernel.route_permute(hidden, indices, num_experts)
+        ctx.rows = routing[0]  # integer routing tables ride on ctx: no gradient, nothing for recompute to replay
         ctx.dtype = hidden.dtype
-        return kernel.permute(hidden, rows)
+        tables.extend(routing)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
@@ -81,9 +84,9 @@ def permute(hidden_states: paddle.Tensor, indices: paddle.Tensor, num_experts: i
         read_expert_range(indices, int(num_experts), "moe_permute")
     else:
         indices = paddle.clip(indices, 0, int(num_experts) - 1)  # the identity on valid ids
-    with paddle.no_grad():
-        rows, srcs, counts, offsets = kernel.route(_contiguous(indices), num_experts)
-    out = _Permute.apply(_contiguous(hidden_states), rows)
+    tables: list = []
+    out = _Permute.apply(_contiguous(hidden_states), _contiguous(indices), int(num_experts), tables)
+    rows, srcs, counts, offsets = tables
     return out, FusedPermutePlan(rows, srcs, counts, offsets, hidden_states.shape[0], hidden_states.dtype)
 
 
