@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from fleet_ext.ops.q_rms_norm.kernel_common import (
+    _add_products,
     _bwd_r,
     _combine,
     _narrow,
@@ -63,22 +64,19 @@ def _bwd_one_pass(
     r = _bwd_r(r_ptr, rows, row_mask, x0, x1, x2, x3, x4, x5, x6, x7, mean_factor, eps, NT, BLOCK_R, LANES,
                ACC_INNER, HALVING, RECOMPUTE_R, STORE_R)
     acc = tl.zeros([BLOCK_R, C], dtype=tl.float32) + g0 * x0  # the identity 0 first: -0 products become +0
-    if NT > 1:
-        acc = acc + g1 * x1
-    if NT > 2:
-        acc = acc + g2 * x2
-    if NT > 3:
-        acc = acc + g3 * x3
-    if NT > 4:
-        acc = acc + g4 * x4
-    if NT > 5:
-        acc = acc + g5 * x5
-    if NT > 6:
-        acc = acc + g6 * x6
-    if NT > 7:
-        acc = acc + g7 * x7
-    g_r = _combine(acc, BLOCK_R, LANES, 4, ACC_INNER, HALVING)
-    d_sq = _d_sq(g_r, r, inv_d, D, BLOCK_R, FLAVOR)
+    acc = _add_products(acc, g1, g2, g3, g4, g5, g6, g7, x1, x2, x3, x4, x5, x6, x7, NT)
+    d_sq = _d_sq(_combine(acc, BLOCK_R, LANES, 4, ACC_INNER, HALVING), r, inv_d, D, BLOCK_R, FLAVOR)
+    _put_dx_tiles(dx_ptr, rows, row_mask, g0, g1, g2, g3, g4, g5, g6, g7, x0, x1, x2, x3, x4, x5, x6, x7, r, d_sq,
+                  NT, C, D, FLAVOR, DOWNCAST, STREAM)
+
+
+@triton.jit
+def _put_dx_tiles(
+    dx_ptr, rows, row_mask, g0, g1, g2, g3, g4, g5, g6, g7, x0, x1, x2, x3, x4, x5, x6, x7, r, d_sq,
+    NT: tl.constexpr, C: tl.constexpr, D: tl.constexpr, FLAVOR: tl.constexpr, DOWNCAST: tl.constexpr,
+    STREAM: tl.constexpr,
+):
+    """The one-pass backwards' tail: ``dx`` of chunks 0 .. NT-1 from their gradient and input chunks, stored."""
     _put(dx_ptr, rows, _dx_tile(g0, x0, r, d_sq, FLAVOR), row_mask, 0, C, D, DOWNCAST, STREAM)
     if NT > 1:
         _put(dx_ptr, rows, _dx_tile(g1, x1, r, d_sq, FLAVOR), row_mask, 1, C, D, DOWNCAST, STREAM)

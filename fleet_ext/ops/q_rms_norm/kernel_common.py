@@ -209,6 +209,27 @@ def _row_tiles(ptr, row_off, s_d, row_mask, C: tl.constexpr, D: tl.constexpr, NT
 
 
 @triton.jit
+def _add_products(acc, a1, a2, a3, a4, a5, a6, a7, b1, b2, b3, b4, b5, b6, b7, NT: tl.constexpr):
+    """``acc + a1 * b1 + ... `` over chunks 1 .. NT-1, left to right (one rounding per product and per add: the
+    kernels are built without FMA contraction); the caller puts chunk 0's product in ``acc``."""
+    if NT > 1:
+        acc = acc + a1 * b1
+    if NT > 2:
+        acc = acc + a2 * b2
+    if NT > 3:
+        acc = acc + a3 * b3
+    if NT > 4:
+        acc = acc + a4 * b4
+    if NT > 5:
+        acc = acc + a5 * b5
+    if NT > 6:
+        acc = acc + a6 * b6
+    if NT > 7:
+        acc = acc + a7 * b7
+    return acc
+
+
+@triton.jit
 def _one_pass_r(
     x0, x1, x2, x3, x4, x5, x6, x7, mean_factor, eps, NT: tl.constexpr, BLOCK_R: tl.constexpr,
     LANES: tl.constexpr, ACC_INNER: tl.constexpr, HALVING: tl.constexpr,
@@ -218,21 +239,7 @@ def _one_pass_r(
     The one place this is computed on the one-pass path: the forwards that store ``r`` and the backwards that
     recompute it instead of reading it (``RECOMPUTE_R``) run this same code on the same fp32 chunks, so the two
     are the same bits (kernels built without FMA contraction; tests compare them)."""
-    acc = x0 * x0  # = 0 + x0^2 (squares are never -0)
-    if NT > 1:
-        acc = acc + x1 * x1
-    if NT > 2:
-        acc = acc + x2 * x2
-    if NT > 3:
-        acc = acc + x3 * x3
-    if NT > 4:
-        acc = acc + x4 * x4
-    if NT > 5:
-        acc = acc + x5 * x5
-    if NT > 6:
-        acc = acc + x6 * x6
-    if NT > 7:
-        acc = acc + x7 * x7
+    acc = _add_products(x0 * x0, x1, x2, x3, x4, x5, x6, x7, x1, x2, x3, x4, x5, x6, x7, NT)  # squares: never -0
     return tl.math.rsqrt(_combine(acc, BLOCK_R, LANES, 4, ACC_INNER, HALVING) * mean_factor + eps)
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fleet_ext.ops.q_rms_norm.kernel_bwd import _d_sq, _dx_tile
+from fleet_ext.ops.q_rms_norm.kernel_bwd import _d_sq, _dx_tile, _put_dx_tiles
 from fleet_ext.ops.q_rms_norm.kernel_common import (
     _INTERPRETED,
     _bwd_r,
@@ -64,6 +64,7 @@ def _bwd_one_pass(
     x0, x1, x2, x3, x4, x5, x6, x7 = _row_tiles(x_ptr, x_row, x_sd, row_mask, C, D, NT, STREAM)
     g0 = _g_tile(g_ptr, 0, g_row, g_sd, row_mask, w_ptr, cos_ptr, sin_ptr, tab_c, tab_s, c_sk, n_sk, C, NOPE, D,
                  HAS_W, DOWNCAST, USE_PTX, STREAM)
+    g1, g2, g3, g4, g5, g6, g7 = g0, g0, g0, g0, g0, g0, g0  # the slots from NT on: never read (as _row_tiles')
     acc = tl.zeros([BLOCK_R, C], dtype=tl.float32) + g0 * x0  # the identity 0 first: -0 products become +0
     if NT > 1:
         g1 = _g_tile(g_ptr, 1, g_row, g_sd, row_mask, w_ptr, cos_ptr, sin_ptr, tab_c, tab_s, c_sk, n_sk, C, NOPE,
@@ -99,21 +100,8 @@ def _bwd_one_pass(
     r = _bwd_r(r_ptr, rows, row_mask, x0, x1, x2, x3, x4, x5, x6, x7, mean_factor, eps, NT, BLOCK_R, LANES,
                ACC_INNER, HALVING, RECOMPUTE_R, STORE_R)
     d_sq = _d_sq(_combine(acc, BLOCK_R, LANES, 4, ACC_INNER, HALVING), r, inv_d, D, BLOCK_R, FLAVOR)
-    _put(dx_ptr, rows, _dx_tile(g0, x0, r, d_sq, FLAVOR), row_mask, 0, C, D, DOWNCAST, STREAM)
-    if NT > 1:
-        _put(dx_ptr, rows, _dx_tile(g1, x1, r, d_sq, FLAVOR), row_mask, 1, C, D, DOWNCAST, STREAM)
-    if NT > 2:
-        _put(dx_ptr, rows, _dx_tile(g2, x2, r, d_sq, FLAVOR), row_mask, 2, C, D, DOWNCAST, STREAM)
-    if NT > 3:
-        _put(dx_ptr, rows, _dx_tile(g3, x3, r, d_sq, FLAVOR), row_mask, 3, C, D, DOWNCAST, STREAM)
-    if NT > 4:
-        _put(dx_ptr, rows, _dx_tile(g4, x4, r, d_sq, FLAVOR), row_mask, 4, C, D, DOWNCAST, STREAM)
-    if NT > 5:
-        _put(dx_ptr, rows, _dx_tile(g5, x5, r, d_sq, FLAVOR), row_mask, 5, C, D, DOWNCAST, STREAM)
-    if NT > 6:
-        _put(dx_ptr, rows, _dx_tile(g6, x6, r, d_sq, FLAVOR), row_mask, 6, C, D, DOWNCAST, STREAM)
-    if NT > 7:
-        _put(dx_ptr, rows, _dx_tile(g7, x7, r, d_sq, FLAVOR), row_mask, 7, C, D, DOWNCAST, STREAM)
+    _put_dx_tiles(dx_ptr, rows, row_mask, g0, g1, g2, g3, g4, g5, g6, g7, x0, x1, x2, x3, x4, x5, x6, x7, r, d_sq,
+                  NT, C, D, FLAVOR, DOWNCAST, STREAM)
 
 
 @triton.jit
