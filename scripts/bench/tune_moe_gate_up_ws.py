@@ -1,8 +1,10 @@
-"""Sweep the warp-specialised gate+up GEMM (``kernel_gate_up_ws.py``) beside the Triton kernel, ``torch._grouped_mm``
-and a dense GEMM of the same FLOPs, in one process (issue 14; GPU only).
+"""Sweep the warp-specialised MoE kernels beside the Triton kernels in one process (issue 14; GPU only): the gate+up
+GEMM (``kernel_gate_up_ws.py``; also against ``torch._grouped_mm`` and a dense GEMM of the same FLOPs) and the
+weight gradients (``kernel_d_weight_ws.py``; also against ``torch._grouped_mm`` over K groups). ``--smoke`` runs
+only a small case of each against the Triton kernel.
 
-Every Gluon variant's ``gate_up`` and ``h`` are compared with the Triton kernel's (byte equality and the largest
-difference) before it is timed. Shapes: ``cases_moe_experts`` (T 8192, top-6, D 4096, 2I 4096, bf16, random
+Every Gluon variant's results are compared with the Triton kernel's (byte equality and the largest difference)
+before it is timed. Shapes: ``cases_moe_experts`` (T 8192, top-6, D 4096, 2I 4096, bf16, random
 routing; E 256 and 32). Prints a table last and writes ``tune_moe_gate_up_ws.json`` under ``--out``.
 
     python scripts/bench/tune_moe_gate_up_ws.py --out $OUT
