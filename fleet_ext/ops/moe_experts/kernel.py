@@ -38,12 +38,11 @@ import triton.language as tl
 from fleet_ext import capability
 from fleet_ext.ops.launch import detached, dtype_name, empty_like, launch, shape_of, strides_of, torch_view
 from fleet_ext.ops.moe_experts.kernel_tiles import (
-    _locate,
     _row_loop,
     _row_loop_tma,
+    _row_tile,
     _segments,
     _swiglu,
-    _tile_coords,
     count_path,
     descriptor,
     grid_size,
@@ -59,13 +58,11 @@ def _grouped_gate_up(x_ptr, x_desc, w_ptr, w_desc, counts_ptr, gu_ptr, h_ptr, N,
                      E_PAD: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                      PREC: tl.constexpr, TMA: tl.constexpr, FLATTEN: tl.constexpr):
     """gate_up[r] = x[r] @ W1[e] (gate columns n and up columns I + n together); h = clamped SwiGLU of it."""
-    ex, start, seg_rows, t0, t1, total, expert_tiles, m_tiles = _segments(counts_ptr, N, E, BM, E_PAD)
-    n_tiles = tl.cdiv(INTER, BN)
+    lanes = _segments(counts_ptr, N, E, BM, E_PAD)
+    m_tiles, n_tiles = lanes[7], tl.cdiv(INTER, BN)
     dtype = gu_ptr.dtype.element_ty
     for tile_id in tl.range(tl.program_id(0), m_tiles * n_tiles, tl.num_programs(0), flatten=FLATTEN):
-        tile_m, tile_n = _tile_coords(tile_id, m_tiles, n_tiles, GROUP_M)
-        e, row0, read_end, write_end = _locate(tile_m, ex, start, seg_rows, t0, t1, total, expert_tiles, N, E, BM)
-        we = tl.minimum(e, E - 1)
+        _, we, row0, read_end, write_end, tile_n = _row_tile(tile_id, lanes, m_tiles, n_tiles, N, E, BM, GROUP_M)
         rows = row0 + tl.arange(0, BM)
         cols = tile_n * BN + tl.arange(0, BN)
         zero = tl.zeros([BM, BN], dtype=tl.float32)
@@ -93,12 +90,10 @@ def _grouped_rows_mm(a_ptr, a_desc, b_ptr, b_desc, counts_ptr, out_ptr, N, K, NO
                      TMA: tl.constexpr, B_NK: tl.constexpr, FLATTEN: tl.constexpr):
     """out[r] = a[r] @ B[e] for the rows r of expert e (pointers: B[e] by strides; TMA: ``B_NK`` says the
     descriptor holds B[e] transposed, [E, NO, K])."""
-    ex, start, seg_rows, t0, t1, total, expert_tiles, m_tiles = _segments(counts_ptr, N, E, BM, E_PAD)
-    n_tiles = tl.cdiv(NO, BN)
+    lanes = _segments(counts_ptr, N, E, BM, E_PAD)
+    m_tiles, n_tiles = lanes[7], tl.cdiv(NO, BN)
     for tile_id in tl.range(tl.program_id(0), m_tiles * n_tiles, tl.num_programs(0), flatten=FLATTEN):
-        tile_m, tile_n = _tile_coords(tile_id, m_tiles, n_tiles, GROUP_M)
-        e, row0, read_end, write_end = _locate(tile_m, ex, start, seg_rows, t0, t1, total, expert_tiles, N, E, BM)
-        we = tl.minimum(e, E - 1)
+        _, we, row0, read_end, write_end, tile_n = _row_tile(tile_id, lanes, m_tiles, n_tiles, N, E, BM, GROUP_M)
         rows = row0 + tl.arange(0, BM)
         cols = tile_n * BN + tl.arange(0, BN)
         zero = tl.zeros([BM, BN], dtype=tl.float32)

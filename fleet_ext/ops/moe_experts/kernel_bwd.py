@@ -39,12 +39,11 @@ from fleet_ext.ops.moe_experts.kernel import (
 )
 from fleet_ext.ops.moe_experts.kernel_tiles import (
     _load_ragged,
-    _locate,
     _row_loop,
     _row_loop_tma,
+    _row_tile,
     _segments,
     _swiglu,
-    _tile_coords,
     _weight_tile,
     count_path,
     descriptor,
@@ -78,12 +77,10 @@ def _grouped_d_gate_up(dy_ptr, dy_desc, w_ptr, w_desc, counts_ptr, gu_ptr, dgu_p
                        EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
                        FLATTEN: tl.constexpr):
     """d_gate_up of the rows of expert e from d_h = d_out @ W2[e]^T (columns n of I), and h recomputed."""
-    ex, start, seg_rows, t0, t1, total, expert_tiles, m_tiles = _segments(counts_ptr, N, E, BM, E_PAD)
-    n_tiles = tl.cdiv(INTER, BN)
+    lanes = _segments(counts_ptr, N, E, BM, E_PAD)
+    m_tiles, n_tiles = lanes[7], tl.cdiv(INTER, BN)
     for tile_id in tl.range(tl.program_id(0), m_tiles * n_tiles, tl.num_programs(0), flatten=FLATTEN):
-        tile_m, tile_n = _tile_coords(tile_id, m_tiles, n_tiles, GROUP_M)
-        e, row0, read_end, write_end = _locate(tile_m, ex, start, seg_rows, t0, t1, total, expert_tiles, N, E, BM)
-        we = tl.minimum(e, E - 1)
+        _, we, row0, read_end, write_end, tile_n = _row_tile(tile_id, lanes, m_tiles, n_tiles, N, E, BM, GROUP_M)
         rows = row0 + tl.arange(0, BM)
         cols = tile_n * BN + tl.arange(0, BN)
         zero = tl.zeros([BM, BN], dtype=tl.float32)

@@ -12,7 +12,7 @@ multiprocessor) is split into three partitions that run concurrently:
   K loop on async wgmma (the gate and up accumulators, ``BM x BN`` fp32 each) and then its own epilogue, so one
   warpgroup's epilogue runs while the other's K loop keeps the tensor cores busy (CUTLASS calls this ping-pong).
 
-The tile map (``_segment_lanes``, ``_locate``, ``_tile_coords``) and the SwiGLU (``_swiglu``) are
+The tile map (``_segment_lanes``, ``_row_tile``) and the SwiGLU (``_swiglu``) are
 ``kernel_tiles``' functions, shared with the Triton kernels; the epilogue is ``_grouped_gate_up``'s, op for
 op. ``W1`` is read through a 2-D ``[E * D, 2I]`` view, so ``D`` must be a multiple of ``BK`` (a K step never
 crosses into the next expert); rows past an expert's segment are read and zeroed in the epilogue, as in the
@@ -25,7 +25,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from fleet_ext.ops.moe_experts.kernel_tiles import _locate, _segment_lanes, _swiglu, _tile_coords
+from fleet_ext.ops.moe_experts.kernel_tiles import _row_tile, _segment_lanes, _swiglu
 
 
 @gluon.jit
@@ -39,15 +39,6 @@ def _tiles(counts_ptr, N, E, INTER, BM: gl.constexpr, BN: gl.constexpr, E_PAD: g
 
 
 @gluon.jit
-def _where(tile_id, lanes, m_tiles, n_tiles, N, E, BM: gl.constexpr, GROUP_M: gl.constexpr):
-    """(expert, first row, read end, write end, column tile) of tile ``tile_id``."""
-    tile_m, tile_n = _tile_coords(tile_id, m_tiles, n_tiles, GROUP_M)
-    ex, start, seg_rows, t0, t1, total, expert_tiles, _ = lanes
-    e, row0, read_end, write_end = _locate(tile_m, ex, start, seg_rows, t0, t1, total, expert_tiles, N, E, BM)
-    return e, row0, read_end, write_end, tile_n
-
-
-@gluon.jit
 def _loader(x_desc, w_desc, counts_ptr, bufs, bars, N, K, INTER, E, BM: gl.constexpr, BN: gl.constexpr,
             BK: gl.constexpr, E_PAD: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     a_s, g_s, u_s = bufs
@@ -57,8 +48,8 @@ def _loader(x_desc, w_desc, counts_ptr, bufs, bars, N, K, INTER, E, BM: gl.const
     nbytes: gl.constexpr = (BM * BK + 2 * BK * BN) * x_desc.dtype.primitive_bitwidth // 8
     pos = 0
     for tile_id in range(gl.program_id(0), m_tiles * n_tiles, gl.num_programs(0)):
-        e, row0, _, _, tile_n = _where(tile_id, lanes, m_tiles, n_tiles, N, E, BM, GROUP_M)
-        w_row = gl.minimum(e, E - 1) * K  # a zero tile (e == E) reads the last expert's weight; its rows are zeroed
+        _, we, row0, _, _, tile_n = _row_tile(tile_id, lanes, m_tiles, n_tiles, N, E, BM, GROUP_M)
+        w_row = we * K  # a zero tile (e == E) reads the last expert's weight; its rows are zeroed
         for kk in range(k_steps):
             s = pos % STAGES
             mbarrier.wait(empty.index(s), ((pos // STAGES) & 1) ^ 1)
@@ -110,7 +101,7 @@ def _mma_partition(counts_ptr, gu_ptr, h_ptr, bufs, bars, N, K, INTER, E, limit,
     A_ROW0: gl.constexpr = PARITY * WM if COOP else 0
     mine = 0
     for tile_id in range(pid + (0 if COOP else PARITY) * programs, m_tiles * n_tiles, programs * (1 if COOP else 2)):
-        e, row0, read_end, write_end, tile_n = _where(tile_id, lanes, m_tiles, n_tiles, N, E, BM, GROUP_M)
+        _, _, row0, read_end, write_end, tile_n = _row_tile(tile_id, lanes, m_tiles, n_tiles, N, E, BM, GROUP_M)
         zero = gl.zeros([WM, BN], gl.float32, acc_l)
         if COOP:
             acc_g, acc_u = _k_loop(a_s, g_s, u_s, ready, empty, mine * k_steps, k_steps, zero, zero, STAGES, A_ROW0,

@@ -81,6 +81,16 @@ def _locate(tile, ex, start, rows, tile_start, tile_end, total, expert_tiles, N,
 
 
 @triton.jit
+def _row_tile(tile_id, lanes, m_tiles, n_tiles, N, E, BM: tl.constexpr, GROUP_M: tl.constexpr):
+    """(expert, weight expert, first row, read end, write end, column tile) of row-GEMM tile ``tile_id``, from the
+    :func:`_segments` lanes; a zero tile's weight expert is the last one (read, never used: its rows are zeroed)."""
+    tile_m, tile_n = _tile_coords(tile_id, m_tiles, n_tiles, GROUP_M)
+    ex, start, seg_rows, t0, t1, total, expert_tiles, _ = lanes
+    e, row0, read_end, write_end = _locate(tile_m, ex, start, seg_rows, t0, t1, total, expert_tiles, N, E, BM)
+    return e, tl.minimum(e, E - 1), row0, read_end, write_end, tile_n
+
+
+@triton.jit
 def _add2(a0, a1, b0, b1):
     return a0 + b0, a1 + b1
 
