@@ -131,9 +131,11 @@ def config(tokens: int, heads: int, dim: int) -> dict:
         return dict(TOK=block_t, BLOCK_T=block_t, BLOCK_H=_pow2(heads), BLOCK_D=_pow2(dim), num_warps=4)
     block_h = min(64, _pow2(heads))
     # one token per step, 8192 elements (16 KiB of bf16) per operand per d step: 32 per thread at 8 warps,
-    # i.e. 4 x 16-byte loads per operand in flight; 16 tokens per program (1024 programs at 16384 tokens)
+    # i.e. 4 x 16-byte loads per operand in flight; 16 tokens per program (1024 programs at 16384 tokens), fewer
+    # when there are fewer tokens: the steps past the last token only add +0.0 (the same bits), but each is a
+    # dependent round of loads (4 tokens: 10.5 us for 16 steps on the H200, benchmarks/RESULTS.md)
     block_d = min(_pow2(dim), max(16, 8192 // block_h))
-    return dict(TOK=16, BLOCK_T=1, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=8)
+    return dict(TOK=min(16, _pow2(tokens)), BLOCK_T=1, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=8)
 
 
 # One plan pair (partials launch, reduce launch; no reduce for a single token block) per layouts of the arguments:
