@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fleet_ext.ops.sparse_attn.kernel_fwd import LOG2E, _unchain
+from fleet_ext.ops.sparse_attn.kernel_fwd import LOG2E, _block_scores, _unchain
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -86,6 +86,7 @@ def _bwd_dq_kernel(
     else:
         q = tl.load(q_rows + offs_d[None, :], mask=h_ok[:, None], other=0.0)
         do = tl.load(do_rows + offs_d[None, :], mask=h_ok[:, None], other=0.0)
+    q_e, offs_e = q, offs_d  # no key-only tail: placeholders, never read
     if D_TAIL > 0:
         offs_e = D_V + tl.arange(0, D_TAIL)
         if EVEN_H:
@@ -109,13 +110,7 @@ def _bwd_dq_kernel(
         ids = tl.load(idx_row + kk, mask=k_ok, other=-1)
         ok = (ids >= 0) & (ids < N)
         rows = tl.where(ok, ids, 0).to(tl.int64) * stride_kvn
-        kv = tl.load(KV + rows[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)
-        if D_TAIL > 0:
-            kv_e = tl.load(KV + rows[:, None] + offs_e[None, :], mask=ok[:, None], other=0.0)
-            s = _unchain(tl.dot(q_e, tl.trans(kv_e), input_precision=PREC), live)
-            s = tl.dot(q, tl.trans(kv), s, input_precision=PREC)
-        else:
-            s = tl.dot(q, tl.trans(kv), input_precision=PREC)
+        kv, kv_e, s = _block_scores(KV, rows, ok, q, q_e, offs_d, offs_e, live, D_TAIL, PREC)
         p = tl.math.exp2(s * qk_scale - lse2[:, None])
         p = tl.where(ok[None, :], p, 0.0)
         dp = tl.dot(do, tl.trans(kv), input_precision=PREC)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fleet_ext.ops.sparse_attn.kernel_fwd import _NEG_BIG, LN2, LOG2E, _unchain
+from fleet_ext.ops.sparse_attn.kernel_fwd import _NEG_BIG, LOG2E, _block_scores, _finish, _online_softmax_pv, _unchain
 
 
 @triton.jit
@@ -78,6 +78,7 @@ def _causal_fwd_kernel(
 
     q_rows = Q + t * stride_qt + offs_h[:, None] * stride_qh
     q = _load_heads(q_rows, offs_d, h_ok, EVEN_H)
+    q_e, offs_e = q, offs_d  # no key-only tail: placeholders, never read
     if D_TAIL > 0:
         offs_e = D_V + tl.arange(0, D_TAIL)
         q_e = _load_heads(q_rows, offs_e, h_ok, EVEN_H)
@@ -91,27 +92,10 @@ def _causal_fwd_kernel(
         keys = start + offs_n
         ok = keys < n_keys
         rows = keys.to(tl.int64) * stride_kvn
-        kv = tl.load(kv_seq + rows[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)
-        if D_TAIL > 0:
-            kv_e = tl.load(kv_seq + rows[:, None] + offs_e[None, :], mask=ok[:, None], other=0.0)
-            s = _unchain(tl.dot(q_e, tl.trans(kv_e), input_precision=PREC), live)
-            s = tl.dot(q, tl.trans(kv), s, input_precision=PREC)
-        else:
-            s = tl.dot(q, tl.trans(kv), input_precision=PREC)
-        s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        p = _unchain(p.to(kv.dtype), live)
-        acc = acc * _unchain(alpha, live)[:, None]
-        acc = tl.dot(p, kv, acc, input_precision=PREC)
-        m_i = m_new
+        kv, _, s = _block_scores(kv_seq, rows, ok, q, q_e, offs_d, offs_e, live, D_TAIL, PREC)
+        m_i, l_i, acc = _online_softmax_pv(s, ok, kv, m_i, l_i, acc, qk_scale, live, PREC)
 
-    l_i = l_i + tl.math.exp2(sink2 - m_i)
-    has_mass = l_i > 0.0
-    out = acc / tl.where(has_mass, l_i, 1.0)[:, None]
-    lse = tl.where(has_mass, (m_i + tl.math.log2(tl.where(has_mass, l_i, 1.0))) * LN2, float("-inf"))
+    out, lse = _finish(acc, m_i, l_i, sink2)
     _store_heads(OUT + t * stride_ot + offs_h[:, None] * stride_oh, offs_d, out.to(OUT.dtype.element_ty), h_ok,
                  EVEN_H)
     tl.store(LSE + t * H + offs_h, lse, mask=h_ok)
@@ -139,6 +123,7 @@ def _causal_bwd_dq_kernel(
     q_rows = Q + t * stride_qt + offs_h[:, None] * stride_qh
     q = _load_heads(q_rows, offs_d, h_ok, EVEN_H)
     do = _load_heads(DOUT + t * stride_dot + offs_h[:, None] * stride_doh, offs_d, h_ok, EVEN_H)
+    q_e, offs_e = q, offs_d  # no key-only tail: placeholders, never read
     if D_TAIL > 0:
         offs_e = D_V + tl.arange(0, D_TAIL)
         q_e = _load_heads(q_rows, offs_e, h_ok, EVEN_H)
@@ -152,13 +137,7 @@ def _causal_bwd_dq_kernel(
         keys = start + offs_n
         ok = keys < n_keys
         rows = keys.to(tl.int64) * stride_kvn
-        kv = tl.load(kv_seq + rows[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)
-        if D_TAIL > 0:
-            kv_e = tl.load(kv_seq + rows[:, None] + offs_e[None, :], mask=ok[:, None], other=0.0)
-            s = _unchain(tl.dot(q_e, tl.trans(kv_e), input_precision=PREC), live)
-            s = tl.dot(q, tl.trans(kv), s, input_precision=PREC)
-        else:
-            s = tl.dot(q, tl.trans(kv), input_precision=PREC)
+        kv, kv_e, s = _block_scores(kv_seq, rows, ok, q, q_e, offs_d, offs_e, live, D_TAIL, PREC)
         p = tl.where(ok[None, :], tl.math.exp2(s * qk_scale - lse2[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(kv), input_precision=PREC)
         ds = _unchain((p * (dp - delta[:, None]) * scale).to(kv.dtype), live)

@@ -41,6 +41,45 @@ def _unchain(x, live):
 
 
 @triton.jit
+def _block_scores(kv_base, rows, ok, q, q_e, offs_d, offs_e, live, D_TAIL: tl.constexpr, PREC: tl.constexpr):
+    """(kv, kv_e, S) of one block of keys: the rows ``rows`` (offsets from ``kv_base``; ``ok`` False reads zeros),
+    ``S = q k^T`` with the key-only tail's product first (``kv_e`` is ``kv`` when there is no tail)."""
+    kv = tl.load(kv_base + rows[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)
+    kv_e = kv
+    if D_TAIL > 0:
+        kv_e = tl.load(kv_base + rows[:, None] + offs_e[None, :], mask=ok[:, None], other=0.0)
+        s = _unchain(tl.dot(q_e, tl.trans(kv_e), input_precision=PREC), live)
+        s = tl.dot(q, tl.trans(kv), s, input_precision=PREC)
+    else:
+        s = tl.dot(q, tl.trans(kv), input_precision=PREC)
+    return kv, kv_e, s
+
+
+@triton.jit
+def _online_softmax_pv(s, ok, kv, m_i, l_i, acc, qk_scale, live, PREC: tl.constexpr):
+    """One block of the online softmax in base 2 (``qk_scale`` has log2(e) folded in) and ``acc += P V``."""
+    s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p = _unchain(p.to(kv.dtype), live)
+    acc = acc * _unchain(alpha, live)[:, None]
+    acc = tl.dot(p, kv, acc, input_precision=PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _finish(acc, m_i, l_i, sink2):
+    """(out, lse) from the running max, sum and accumulator, the sink's mass added; rows without mass: 0, -inf."""
+    l_i = l_i + tl.math.exp2(sink2 - m_i)
+    has_mass = l_i > 0.0
+    out = acc / tl.where(has_mass, l_i, 1.0)[:, None]
+    lse = tl.where(has_mass, (m_i + tl.math.log2(tl.where(has_mass, l_i, 1.0))) * LN2, float("-inf"))
+    return out, lse
+
+
+@triton.jit
 def _sparse_attn_fwd_kernel(
     Q, KV, IDX, TOPK_LEN, SINK, OUT, LSE,
     H, N, K, qk_scale,
@@ -62,6 +101,7 @@ def _sparse_attn_fwd_kernel(
         q = tl.load(q_rows + offs_d[None, :])
     else:
         q = tl.load(q_rows + offs_d[None, :], mask=h_ok[:, None], other=0.0)
+    q_e, offs_e = q, offs_d  # no key-only tail: placeholders, never read
     if D_TAIL > 0:
         offs_e = D_V + tl.arange(0, D_TAIL)
         if EVEN_H:
@@ -84,27 +124,10 @@ def _sparse_attn_fwd_kernel(
         ids = tl.load(idx_row + kk, mask=kk < n_valid, other=-1)
         ok = (ids >= 0) & (ids < N)
         rows = tl.where(ok, ids, 0).to(tl.int64) * stride_kvn
-        kv = tl.load(KV + rows[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)
-        if D_TAIL > 0:
-            kv_e = tl.load(KV + rows[:, None] + offs_e[None, :], mask=ok[:, None], other=0.0)
-            s = _unchain(tl.dot(q_e, tl.trans(kv_e), input_precision=PREC), live)
-            s = tl.dot(q, tl.trans(kv), s, input_precision=PREC)
-        else:
-            s = tl.dot(q, tl.trans(kv), input_precision=PREC)
-        s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        p = _unchain(p.to(kv.dtype), live)
-        acc = acc * _unchain(alpha, live)[:, None]
-        acc = tl.dot(p, kv, acc, input_precision=PREC)
-        m_i = m_new
+        kv, _, s = _block_scores(KV, rows, ok, q, q_e, offs_d, offs_e, live, D_TAIL, PREC)
+        m_i, l_i, acc = _online_softmax_pv(s, ok, kv, m_i, l_i, acc, qk_scale, live, PREC)
 
-    l_i = l_i + tl.math.exp2(sink2 - m_i)
-    has_mass = l_i > 0.0
-    out = acc / tl.where(has_mass, l_i, 1.0)[:, None]
-    lse = tl.where(has_mass, (m_i + tl.math.log2(tl.where(has_mass, l_i, 1.0))) * LN2, float("-inf"))
+    out, lse = _finish(acc, m_i, l_i, sink2)
     o_rows = OUT + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :]
     if EVEN_H:
         tl.store(o_rows, out.to(OUT.dtype.element_ty))
