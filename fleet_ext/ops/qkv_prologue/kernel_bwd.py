@@ -26,7 +26,6 @@ from fleet_ext.ops.q_rms_norm.kernel_common import (
     _INTERPRETED,
     _bwd_r,
     _combine,
-    _put,
     _row_offsets,
     _row_tiles,
     _sequential_sum,
@@ -317,6 +316,7 @@ def _kv_block(
         r = tl.load(r_ptr + rows, mask=row_mask, other=0.0)
         g0, x0 = _kv_chunk(0, part, x_ptr, g_ptr, w_ptr, cos_ptr, sin_ptr, row_mask, x_row, g_row, x_sd, g_sd, r,
                            tab_c, tab_s, c_sk, n_sk, C, NOPE, D, DOWNCAST, USE_PTX, STREAM)
+        g1, g2, g3, x1, x2, x3 = g0, g0, g0, x0, x0, x0  # the chunks from NT on: never read
         acc = tl.zeros([BLOCK_R, C], dtype=tl.float32) + g0 * x0  # as _bwd_one_pass: the identity 0 first
         if NT > 1:
             g1, x1 = _kv_chunk(1, part, x_ptr, g_ptr, w_ptr, cos_ptr, sin_ptr, row_mask, x_row, g_row, x_sd, g_sd,
@@ -331,13 +331,8 @@ def _kv_block(
                                r, tab_c, tab_s, c_sk, n_sk, C, NOPE, D, DOWNCAST, USE_PTX, STREAM)
             acc = acc + g3 * x3
     d_sq = _d_sq(_combine(acc, BLOCK_R, LANES, 4, ACC_INNER, HALVING), r, inv_d, D, BLOCK_R, FLAVOR)
-    _put(dx_ptr, rows, _dx_tile(g0, x0, r, d_sq, FLAVOR), row_mask, 0, C, D, DOWNCAST, STREAM)
-    if NT > 1:
-        _put(dx_ptr, rows, _dx_tile(g1, x1, r, d_sq, FLAVOR), row_mask, 1, C, D, DOWNCAST, STREAM)
-    if NT > 2:
-        _put(dx_ptr, rows, _dx_tile(g2, x2, r, d_sq, FLAVOR), row_mask, 2, C, D, DOWNCAST, STREAM)
-    if NT > 3:
-        _put(dx_ptr, rows, _dx_tile(g3, x3, r, d_sq, FLAVOR), row_mask, 3, C, D, DOWNCAST, STREAM)
+    _put_dx_tiles(dx_ptr, rows, row_mask, g0, g1, g2, g3, g0, g0, g0, g0, x0, x1, x2, x3, x0, x0, x0, x0, r, d_sq,
+                  NT, C, D, FLAVOR, DOWNCAST, STREAM)  # at most 4 chunks here
 
 
 @triton.jit
