@@ -277,20 +277,27 @@ def _model_run(switches: dict, **overrides) -> dict[str, np.ndarray]:
 MOE_LAYERS = 4  # TINY_MODEL: 4 layers, all MoE (the first hash-routed)
 
 
-def test_tiny_model_matches_the_unfused_path_within_tolerance():
-    reference_run = _model_run({})
+@pytest.fixture(scope="module")
+def fused_run() -> dict[str, np.ndarray]:
+    """The tiny model with the switch on, run once for the two tests below; its launches counted (every MoE layer
+    runs each kernel of the forward and the backward its fixed number of times)."""
     with _expect({k: v * MOE_LAYERS for k, v in _launches(FORWARD, BACKWARD).items()}):
-        fused = _model_run(SWITCH)
+        return _model_run(SWITCH)
+
+
+def test_tiny_model_matches_the_unfused_path_within_tolerance(fused_run):
+    reference_run = _model_run({})
+    fused = fused_run
     assert fused.keys() == reference_run.keys()
     assert sum(k.endswith(("experts.weight1", "experts.weight2")) for k in fused) == 2 * MOE_LAYERS
     for key in reference_run:
         assert_close(fused[key], reference_run[key], "fp32", "grouped_experts_model", what=f"switch on vs off: {key}")
 
 
-def test_tiny_model_under_recompute_is_bitwise_equal_to_no_recompute():
+def test_tiny_model_under_recompute_is_bitwise_equal_to_no_recompute(fused_run):
     """The fused path is deterministic, so recomputing it (``moe``: the whole experts block re-runs; ``moe_act``)
     must leave the loss and every gradient byte-equal to the fused run without recompute."""
-    plain = _model_run(SWITCH)
+    plain = fused_run
     for policy in ({"recompute_granularity": "selective", "recompute_modules": ["moe"]},
                    {"recompute_granularity": "selective", "recompute_modules": ["moe_act"]}):
         with expect_launches("_grouped_gate_up", min=MOE_LAYERS):
