@@ -38,11 +38,11 @@ import triton.language as tl
 from fleet_ext import capability
 from fleet_ext.ops.launch import detached, dtype_name, empty_like, launch, shape_of, strides_of, torch_view
 from fleet_ext.ops.moe_experts.kernel_tiles import (
+    _gate_up_epilogue,
     _row_loop,
     _row_loop_tma,
     _row_tile,
     _segments,
-    _swiglu,
     count_path,
     descriptor,
     grid_size,
@@ -60,7 +60,6 @@ def _grouped_gate_up(x_ptr, x_desc, w_ptr, w_desc, counts_ptr, gu_ptr, h_ptr, N,
     """gate_up[r] = x[r] @ W1[e] (gate columns n and up columns I + n together); h = clamped SwiGLU of it."""
     lanes = _segments(counts_ptr, N, E, BM, E_PAD)
     m_tiles, n_tiles = lanes[7], tl.cdiv(INTER, BN)
-    dtype = gu_ptr.dtype.element_ty
     for tile_id in tl.range(tl.program_id(0), m_tiles * n_tiles, tl.num_programs(0), flatten=FLATTEN):
         _, we, row0, read_end, write_end, tile_n = _row_tile(tile_id, lanes, m_tiles, n_tiles, N, E, BM, GROUP_M)
         rows = row0 + tl.arange(0, BM)
@@ -72,15 +71,8 @@ def _grouped_gate_up(x_ptr, x_desc, w_ptr, w_desc, counts_ptr, gu_ptr, h_ptr, N,
         else:
             acc_g, acc_u = _row_loop(x_ptr, w_ptr + we.to(tl.int64) * sw_e, rows, read_end, cols, K, INTER, sx, sw_k,
                                      sw_n, zero, zero, INTER * sw_n, True, BK, EVEN_K, EVEN_N, PREC)
-        live = (rows < read_end)[:, None]  # rows of the next expert (TMA) or of no expert: 0
-        g = tl.where(live, acc_g, 0.0).to(dtype)
-        u = tl.where(live, acc_u, 0.0).to(dtype)
-        r64 = rows.to(tl.int64)[:, None]
-        mask = (rows < write_end)[:, None] & (cols < INTER)[None, :]
-        tl.store(gu_ptr + r64 * s_gu + cols[None, :], g, mask=mask)
-        tl.store(gu_ptr + r64 * s_gu + INTER + cols[None, :], u, mask=mask)
-        h = _swiglu(g.to(tl.float32), u.to(tl.float32), limit, HAS_LIMIT)
-        tl.store(h_ptr + r64 * s_h + cols[None, :], h.to(dtype), mask=mask)
+        _gate_up_epilogue(acc_g, acc_u, rows, cols, read_end, write_end, gu_ptr, h_ptr, INTER, s_gu, s_h, limit,
+                          HAS_LIMIT)
 
 
 @triton.jit
@@ -279,8 +271,9 @@ def ws_choice(switch: str, name: str, why_not: str | None, n_rows: int, experts:
 def gate_up_ws_fits(rows: Any, weight1: Any) -> str | None:
     """None when the warp-specialised gate+up can run this call, else why not (the Triton kernel's reason)."""
     dim, two_i = shape_of(weight1)[1], shape_of(weight1)[2]
-    if hopper_16bit(rows) is not None:
-        return hopper_16bit(rows)
+    why_not = hopper_16bit(rows)
+    if why_not is not None:
+        return why_not
     if dim % WS_GATE_UP["BK"] or (two_i // 2) % 8:
         return f"D {dim} not a multiple of {WS_GATE_UP['BK']} or I {two_i // 2} of 8 (TMA tiles of one expert)"
     if not tma_route(_grouped_gate_up, rows, weight1):

@@ -200,8 +200,9 @@ WS_D_WEIGHT = {"BM": 128, "BN": 256, "BK": 64, "STAGES": 3, "MMA_REGS": 232, "LO
 
 def d_weight_ws_fits(a: Any, b: Any, out: Any) -> str | None:
     """None when the warp-specialised weight gradient can run this call, else why not (the Triton kernel's reason)."""
-    if hopper_16bit(a) is not None:
-        return hopper_16bit(a)
+    why_not = hopper_16bit(a)
+    if why_not is not None:
+        return why_not
     if shape_of(a)[1] % WS_D_WEIGHT["BM"]:
         return f"M {shape_of(a)[1]} not a multiple of {WS_D_WEIGHT['BM']} (output tiles of one expert)"
     if not tma_route(_grouped_d_weight, a, b, out):

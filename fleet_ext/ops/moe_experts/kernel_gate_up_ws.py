@@ -12,7 +12,7 @@ multiprocessor) is split into three partitions that run concurrently:
   K loop on async wgmma (the gate and up accumulators, ``BM x BN`` fp32 each) and then its own epilogue, so one
   warpgroup's epilogue runs while the other's K loop keeps the tensor cores busy (CUTLASS calls this ping-pong).
 
-The tile map (``_segment_lanes``, ``_row_tile``) and the SwiGLU (``_swiglu``) are
+The tile map (``_segment_lanes``, ``_row_tile``) and the epilogue (``_gate_up_epilogue``) are
 ``kernel_tiles``' functions, shared with the Triton kernels; the epilogue is ``_grouped_gate_up``'s, op for
 op. ``W1`` is read through a 2-D ``[E * D, 2I]`` view, so ``D`` must be a multiple of ``BK`` (a K step never
 crosses into the next expert); rows past an expert's segment are read and zeroed in the epilogue, as in the
@@ -25,7 +25,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from fleet_ext.ops.moe_experts.kernel_tiles import _row_tile, _segment_lanes, _swiglu
+from fleet_ext.ops.moe_experts.kernel_tiles import _gate_up_epilogue, _row_tile, _segment_lanes
 
 
 @gluon.jit
@@ -94,7 +94,6 @@ def _mma_partition(counts_ptr, gu_ptr, h_ptr, bufs, bars, N, K, INTER, E, limit,
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     lanes, m_tiles, n_tiles = _tiles(counts_ptr, N, E, INTER, BM, BN, E_PAD, 4)
     k_steps = gl.cdiv(K, BK)
-    dtype: gl.constexpr = gu_ptr.dtype.element_ty
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
     WM: gl.constexpr = BM // 2 if COOP else BM  # this warpgroup's rows of a tile
@@ -114,15 +113,8 @@ def _mma_partition(counts_ptr, gu_ptr, h_ptr, bufs, bars, N, K, INTER, E, limit,
         mine += 1
         rows = row0 + A_ROW0 + gl.arange(0, WM, layout=gl.SliceLayout(1, acc_l))
         cols = tile_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_l))
-        live = (rows < read_end)[:, None]  # rows of the next expert or of no expert: 0
-        g = gl.where(live, acc_g, 0.0).to(dtype)
-        u = gl.where(live, acc_u, 0.0).to(dtype)
-        r64 = rows.to(gl.int64)[:, None]
-        mask = (rows < write_end)[:, None] & (cols < INTER)[None, :]
-        gl.store(gu_ptr + r64 * s_gu + cols[None, :], g, mask=mask)
-        gl.store(gu_ptr + r64 * s_gu + INTER + cols[None, :], u, mask=mask)
-        h = _swiglu(g.to(gl.float32), u.to(gl.float32), limit, HAS_LIMIT)
-        gl.store(h_ptr + r64 * s_h + cols[None, :], h.to(dtype), mask=mask)
+        _gate_up_epilogue(acc_g, acc_u, rows, cols, read_end, write_end, gu_ptr, h_ptr, INTER, s_gu, s_h, limit,
+                          HAS_LIMIT)
 
 
 @gluon.jit

@@ -125,6 +125,24 @@ def _swiglu(g, u, limit, HAS_LIMIT: tl.constexpr):
 
 
 @triton.jit
+def _gate_up_epilogue(acc_g, acc_u, rows, cols, read_end, write_end, gu_ptr, h_ptr, INTER, s_gu, s_h, limit,
+                      HAS_LIMIT: tl.constexpr):
+    """The gate+up tile's epilogue (Triton and Gluon kernels alike): rows past ``read_end`` (the next expert's, read
+    by TMA, or no expert's) zeroed; gate and up rounded to the output dtype and stored at columns n and I + n; h
+    from the rounded values, as the reference computes it from the stored pre-activation."""
+    dtype = gu_ptr.dtype.element_ty
+    live = (rows < read_end)[:, None]
+    g = tl.where(live, acc_g, 0.0).to(dtype)
+    u = tl.where(live, acc_u, 0.0).to(dtype)
+    r64 = rows.to(tl.int64)[:, None]
+    mask = (rows < write_end)[:, None] & (cols < INTER)[None, :]
+    tl.store(gu_ptr + r64 * s_gu + cols[None, :], g, mask=mask)
+    tl.store(gu_ptr + r64 * s_gu + INTER + cols[None, :], u, mask=mask)
+    h = _swiglu(g.to(tl.float32), u.to(tl.float32), limit, HAS_LIMIT)
+    tl.store(h_ptr + r64 * s_h + cols[None, :], h.to(dtype), mask=mask)
+
+
+@triton.jit
 def _row_loop(a_ptr, b_ptr, rows, read_end, cols, K, NO, sa, sb_k, sb_n, acc, acc2, b2_off,
               TWO: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
               PREC: tl.constexpr):
