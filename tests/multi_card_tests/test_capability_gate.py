@@ -10,7 +10,10 @@ does. Run by hand::
 
 Each rank writes ``rank_<r>.json`` (exit code, models built, process group joined) to ``--gate_dir`` and waits
 until every rank has written its own before exiting: the launcher stops the other ranks as soon as one exits
-non-zero, and the test needs to hear from both.
+non-zero, and the test needs to hear from both. The ranks then exit together, at one instant on the shared clock
+and without Python's teardown: the launcher looks at its ranks once a second, and one that looks between two
+exits stops the later rank (SIGTERM: a signal trace in its log, code 241 reported if it is rank 0; seen once in
+CI when the ranks left 50 ms of polling and their teardowns apart).
 """
 
 from __future__ import annotations
@@ -45,18 +48,29 @@ def test_every_rank_exits_2_with_the_message_and_builds_nothing(tmp_path):
     assert not out.exists()  # no checkpoint, no metrics: nothing was written
 
 
-def _report(gate: Path, state: dict, world: int, timeout: float = 60.0) -> None:
-    """Write this rank's result, then wait until every rank has written its own (a file barrier)."""
+def _report(gate: Path, state: dict, world: int, timeout: float = 60.0) -> float:
+    """Write this rank's result, then wait until every rank has written its own (a file barrier); returns the
+    instant all ranks exit at (a quarter second after the last file was written, the same on every rank)."""
     gate.mkdir(parents=True, exist_ok=True)
     tmp = gate / f".rank_{state['rank']}.json.tmp"
     tmp.write_text(json.dumps(state))
     os.replace(tmp, gate / f"rank_{state['rank']}.json")
     deadline = time.monotonic() + timeout
     while len(list(gate.glob("rank_*.json"))) < world and time.monotonic() < deadline:
-        time.sleep(0.05)
+        time.sleep(0.005)
+    return max(f.stat().st_mtime for f in gate.glob("rank_*.json")) + 0.25
 
 
-def _main(argv: list[str]) -> int:
+def _exit_at(instant: float, code: int) -> None:
+    """Exit with ``code`` at wall-clock ``instant``, output flushed, without Python's teardown (whose length differs
+    from rank to rank)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    time.sleep(max(0.0, instant - time.time()))
+    os._exit(code)
+
+
+def _main(argv: list[str]) -> None:
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
     import paddle.distributed as dist
@@ -76,10 +90,10 @@ def _main(argv: list[str]) -> int:
     with capability.override(capability.Capability(triton=True, torch=True, gpu=True, sm=(7, 5))):
         code = main(["--config", str(CONFIG), *cli_args(overrides), *argv])
     rank, world = env_world()
-    _report(args.gate_dir, {"rank": rank, "exit_code": code, "models_built": len(built),
-                   "process_group_joined": bool(dist.is_initialized())}, world)
-    return code
+    exit_at = _report(args.gate_dir, {"rank": rank, "exit_code": code, "models_built": len(built),
+                                      "process_group_joined": bool(dist.is_initialized())}, world)
+    _exit_at(exit_at, code)
 
 
 if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))
+    _main(sys.argv[1:])
