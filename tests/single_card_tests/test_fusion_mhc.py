@@ -104,14 +104,15 @@ def test_ops_match_the_reference_within_the_tolerance(b, s, n, d, iterations, ep
 
 def test_split_geometries_match_the_reference(monkeypatch):
     """The GPU's geometry on the interpreter: the projection split over K, the streams' gradient and the parameter
-    gradient split over tokens (several splits, a ragged last one), small tiles (the combine backward's too: a
+    gradient split over tokens (several splits, a ragged last one; the streams' gradient with two token tiles in a
+    split, so its prefetch of the next tile's inputs runs), small tiles (the combine backward's too: a
     ragged last token block, channel tiles of two 8-wide vectors, a partial last tile): every output and gradient
     within the tolerance of the reference, as with one split."""
     monkeypatch.setattr(kernel, "TUNE", {"proj": {"SPLITS": 3, "BT": 16, "BK": 16}, "pre_fwd": {"BT": 16, "BD": 16},
-                                         "pre_bwd": {"BT": 16, "BD": 16}, "dx": {"SPLITS": 3, "BT": 16, "BD": 16},
+                                         "pre_bwd": {"BT": 16, "BD": 16}, "dx": {"SPLITS": 2, "BT": 16, "BD": 16},
                                          "params": {"BLOCK": 64, "BB": 2},
                                          "combine_bwd": {"BT": 16, "BD": 16, "V": 8}})
-    arrays, cot = _inputs(2, 19, 4, 40, seed=11)  # 38 tokens: splits of 16, 16 and 6; K = 160: 64, 64, 32
+    arrays, cot = _inputs(2, 19, 4, 40, seed=11)  # 38 tokens: splits of 16, 16 and 6 (dx: 32 and 6); K = 160
     want = _run(reference, arrays, cot, 20, 1e-6)
     with expect_launches(*PRE_KERNELS, exactly=2):
         got = _run(function, arrays, cot, 20, 1e-6)

@@ -70,14 +70,16 @@ KERNELS = ("_mhc_proj_fwd", "_mhc_pre_fwd", "_mhc_combine_fwd", "_mhc_pre_bwd", 
 # proj BT 256, 373 with pre_fwd (4, 512, 8 warps). Pre backward (the op, three kernels): 1054 us with pre_bwd
 # (8, 256, 4 warps), 985 with (32, 256, 8 warps); then 852 with dx on G's pre-split pieces (PIECES; 1037 without),
 # dx's other geometries 864-1394, pre_bwd's 870-947 (STATES 0, the recomputed Sinkhorn states: 947); run 6: dx BT
-# 32, 4 stages, at most 128 registers (43 KB of shared memory: four programs per SM, not three) 851 -> 803 us. Combine
+# 32, 4 stages, at most 128 registers (43 KB of shared memory: four programs per SM, not three) 851 -> 803 us; run 7:
+# dx PREFETCH (g_y a tile ahead) with 3 stages 826 -> 778 (with 4 stages it spills: 1008). Combine
 # backward: 449 us at one token and 4 warps per program, its variants 452-497; its BD is a multiple of
 # 32 x num_warps x the 16-byte vector, which its layout needs (``kernel_bwd._mhc_combine_bwd``).
 GPU_CONFIG: dict[str, dict[str, int]] = {
     "proj": {"BT": 256, "BK": 64, "SPLITS": 8, "num_warps": 8},
     "pre_fwd": {"BT": 4, "BD": 512, "num_warps": 8},
     "pre_bwd": {"BT": 32, "BD": 256, "num_warps": 8, "STATES": 1},
-    "dx": {"BT": 32, "BD": 64, "SPLITS": 8, "num_warps": 4, "num_stages": 4, "maxnreg": 128, "PIECES": 1},
+    "dx": {"BT": 32, "BD": 64, "SPLITS": 8, "num_warps": 4, "num_stages": 3, "maxnreg": 128, "PIECES": 1,
+           "PREFETCH": 1},
     "params": {"BLOCK": 1024, "BB": 64, "num_warps": 4},
     "combine_fwd": {"BT": 4, "BD": 512, "num_warps": 8},
     "combine_bwd": {"BT": 1, "VECS": 1, "num_warps": 4},
@@ -86,11 +88,13 @@ GPU_CONFIG: dict[str, dict[str, int]] = {
 # time) and the GPU tests hold to the defaults' tolerances (tests/gpu/test_mhc_gpu.py), so that any of them can
 # become a default on the sweep's word. ``pre_bwd`` STATES 0 recomputes the Sinkhorn states (the same bytes).
 GEOMETRY_VARIANTS: tuple[dict[str, dict[str, int]], ...] = (
-    *({"dx": c} for c in ({"PIECES": 0}, {"num_stages": 2}, {"num_stages": 4}, {"SPLITS": 4},
-                          {"BD": 128, "num_warps": 8, "num_stages": 2}, {"BT": 128, "num_warps": 8, "num_stages": 2},
-                          # register caps (``maxnreg``): more programs per SM; BT 32 halves the stages' shared memory
-                          {"maxnreg": 128, "num_stages": 2}, {"SPLITS": 16},
-                          *({"BT": 32, "num_stages": st, "maxnreg": 128} for st in (4, 5)))),
+    *({"dx": c} for c in ({"PIECES": 0}, {"PREFETCH": 0}, {"num_stages": 2}, {"num_stages": 4},
+                          {"SPLITS": 4}, {"SPLITS": 16}, {"BD": 128, "num_warps": 8, "num_stages": 2},
+                          {"BT": 128, "num_warps": 8, "num_stages": 2},
+                          # register caps (``maxnreg``): 128 fits four programs per SM, 168 three; BT 64 puts G @ fn
+                          # on warp-group MMAs too
+                          {"maxnreg": 168}, {"maxnreg": 168, "PREFETCH": 0},
+                          {"BT": 64, "maxnreg": 168})),
     *({"pre_bwd": c} for c in ({"STATES": 0}, {"BT": 8, "num_warps": 4}, {"BT": 16}, {"BT": 64},
                                {"num_warps": 4})),
     *({"combine_bwd": c} for c in ({"num_warps": 8}, {"BT": 2})),
@@ -129,7 +133,8 @@ def _config(kind: str, n: int, d: int) -> dict[str, int]:
         width = min(_pow2(d), 256)
         cfg = {"proj": {"BT": 128, "BK": min(_pow2(n * d), 1024), "SPLITS": 1},
                "pre_fwd": {"BT": 128, "BD": width}, "pre_bwd": {"BT": 128, "BD": width, "STATES": 1},
-               "dx": {"BT": 128, "BD": width, "SPLITS": 1, "PIECES": 1}, "params": {"BLOCK": 4096, "BB": 64},
+               "dx": {"BT": 128, "BD": width, "SPLITS": 1, "PIECES": 1, "PREFETCH": 1},
+               "params": {"BLOCK": 4096, "BB": 64},
                "combine_fwd": {"BT": 64, "BD": width}, "combine_bwd": {"BT": 64, "BD": width, "V": 4}}[kind]
         return {**cfg, **{k: v for k, v in TUNE.get(kind, {}).items() if k not in COMPILER_KEYS}}
     cfg = {**GPU_CONFIG[kind], **TUNE.get(kind, {})}

@@ -177,10 +177,21 @@ def _mhc_pre_bwd(
 
 
 @triton.jit
+def _dx_token_inputs(dy_ptr, pre_ptr, coef_ptr, t, t_end, j, d, d_mask, P: tl.constexpr, D: tl.constexpr):
+    """A token tile's ``g_y`` (as stored), pre gate of stream ``j`` and ``coef``: the loads no tile product reads."""
+    t_mask = t < t_end
+    dy = tl.load(dy_ptr + t[:, None] * D + d[None, :], mask=t_mask[:, None] & d_mask[None, :], other=0.0)
+    pre = tl.load(pre_ptr + t * P + j, mask=t_mask, other=0.0)
+    coef = tl.load(coef_ptr + t, mask=t_mask, other=0.0)
+    return dy, pre, coef
+
+
+@triton.jit
 def _mhc_dx_bwd(
     x_ptr, fn_ptr, g_ptr, pre_ptr, coef_ptr, dy_ptr, dx_ptr, part_ptr, T, TS,
     N: tl.constexpr, P: tl.constexpr, D: tl.constexpr, NOUT: tl.constexpr, NO: tl.constexpr, BT: tl.constexpr,
     BD: tl.constexpr, GX: tl.constexpr, DOT: tl.constexpr, DOWNCAST: tl.constexpr, PIECES: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """Program (i, s): channels ``[b BD, (b + 1) BD)`` of stream ``j`` (``i = b N + j``: the N streams of one
     channel tile run side by side, so ``g_y``'s tile is read from memory once; ``fn``'s slab is loaded once) over
@@ -190,7 +201,9 @@ def _mhc_dx_bwd(
     both products then have BT or BD rows (>= 64: Hopper's warp-group MMA). With ``PIECES`` (bf16 streams, both
     products on ``G``'s bf16 pieces) ``G`` comes as the pieces ``_mhc_pre_bwd`` split once per token: no fp32 ``G``
     and no splitting in each of the N D / BD programs that read a token, fewer registers (168 instead of 212 at
-    64 x 64 tiles in the compiled sm90 code: three programs per SM instead of two)."""
+    64 x 64 tiles in the compiled sm90 code: three programs per SM instead of two). With ``PREFETCH`` the next
+    tile's ``g_y``, pre gate and coef are loaded before this tile's products: the compiler pipelines only the loads
+    that feed a product (``x``, ``G``), so otherwise every tile waits a full memory round trip for ``g_y``."""
     K: tl.constexpr = N * D
     split = tl.program_id(1)
     j = tl.program_id(0) % N
@@ -203,15 +216,23 @@ def _mhc_dx_bwd(
         w_hi, w_mid, w_lo = _bf16_pieces(w)
     acc = tl.zeros([BD, NO], dtype=tl.float32)
     t_end = tl.minimum(split * TS + TS, T)
+    tiles = tl.arange(0, BT).to(tl.int64)
+    if PREFETCH:
+        dy_next, pre_next, coef_next = _dx_token_inputs(dy_ptr, pre_ptr, coef_ptr, split * TS + tiles, t_end, j, d,
+                                                        d_mask, P, D)
     for t0 in range(split * TS, t_end, BT):
-        t = t0 + tl.arange(0, BT).to(tl.int64)
+        t = t0 + tiles
         t_mask = t < t_end
         mask = t_mask[:, None] & d_mask[None, :]
         g_ptrs = g_ptr + t[:, None] * NO + c[None, :]
         x = tl.load(x_ptr + t[:, None] * K + k[None, :], mask=mask, other=0.0)
-        dy = tl.load(dy_ptr + t[:, None] * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
-        pre = tl.load(pre_ptr + t * P + j, mask=t_mask, other=0.0)
-        coef = tl.load(coef_ptr + t, mask=t_mask, other=0.0)
+        if PREFETCH:
+            dy, pre, coef = dy_next, pre_next, coef_next
+            dy_next, pre_next, coef_next = _dx_token_inputs(dy_ptr, pre_ptr, coef_ptr, t + BT, t_end, j, d, d_mask,
+                                                            P, D)
+        else:
+            dy, pre, coef = _dx_token_inputs(dy_ptr, pre_ptr, coef_ptr, t, t_end, j, d, d_mask, P, D)
+            dy = dy.to(tl.float32)
         if PIECES:  # G's bf16 pieces as _mhc_pre_bwd stored them (GX >= 3, DOT == 2)
             g_hi = tl.load(g_ptrs, mask=t_mask[:, None], other=0.0)
             g_mid = tl.load(g_ptrs + T * NO, mask=t_mask[:, None], other=0.0)
@@ -230,7 +251,7 @@ def _mhc_dx_bwd(
             g = tl.load(g_ptrs, mask=t_mask[:, None], other=0.0)
             gx = _dot(g, w, GX, 0)
             acc += _dot(tl.trans(x), g, DOT, 1)
-        dx = pre[:, None] * dy + gx + coef[:, None] * x.to(tl.float32)
+        dx = pre[:, None] * dy.to(tl.float32) + gx + coef[:, None] * x.to(tl.float32)
         _store_rounded(dx_ptr + t[:, None] * K + k[None, :], dx, mask, DOWNCAST)
     tl.store(part_ptr + (split.to(tl.int64) * NO + c[None, :]) * K + k[:, None], acc, mask=d_mask[:, None])
 
