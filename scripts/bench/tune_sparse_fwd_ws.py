@@ -34,14 +34,12 @@ from fleet_ext.ops.sparse_attn import kernel, kernel_config  # noqa: E402
 # 2026-12-01 (benchmarks/RESULTS.md) also measured 32-slot blocks with 4 stages, the (152, 96) split, and the
 # previous block's PV deferred behind the next S: all slower than 64-slot blocks in order at every shape, so
 # they are no longer kept; nor is run 7's (same day) next block's S issued before this block's PV is waited on:
-# byte-identical, 4-6 % slower at all four shapes.
+# byte-identical, 4-6 % slower at all four shapes; nor run 8's ping-pong form (both consumers computing S on
+# alternate blocks, commit e4ebc88): 0.71-0.77x the default at the four shapes, its consumers spilling.
 VARIANTS = [
     ("n64_s2_psmem", {"BLOCK_N": 64, "NUM_STAGES": 2, "P_IN_REGS": False}, (168, 80)),
     ("n64_s2_preg", {"BLOCK_N": 64, "NUM_STAGES": 2, "P_IN_REGS": True}, (168, 80)),
     ("n64_s2_preg_r168g96", {"BLOCK_N": 64, "NUM_STAGES": 2, "P_IN_REGS": True}, (168, 96)),
-    # the ping-pong form (kernel_fwd_pp.py): (second consumer, gather) registers, the first consumer the rest
-    *((f"pingpong_r{r}g{g}", {"BLOCK_N": 64, "NUM_STAGES": 2, "P_IN_REGS": True, "PINGPONG": True}, (r, g))
-      for r, g in ((224, 56), (232, 40), (208, 72))),
 ]
 
 
@@ -79,13 +77,11 @@ def sweep(name: str) -> list[dict]:
     ms = median_ms(fwd)
     rows.append({"shape": name, "variant": "triton", "ms": ms, "tflops": flop / ms / 1e9})
     kernel_config.FWD_KERNEL = "gluon"
-    saved_tiles = dict(kernel_config.WS_FWD_TILES[tail])
-    saved_meta, saved_pp = dict(kernel_config.WS_FWD_META), dict(kernel_config.WS_PP_META)
+    saved_tiles, saved_meta = dict(kernel_config.WS_FWD_TILES[tail]), dict(kernel_config.WS_FWD_META)
     first = None
     for vname, tiles, (right, gather) in VARIANTS:
-        kernel_config.WS_FWD_TILES[tail] = {"PINGPONG": False, **tiles}
-        meta = kernel_config.WS_PP_META if tiles.get("PINGPONG") else kernel_config.WS_FWD_META
-        meta.update(RIGHT_REGS=right, GATHER_REGS=gather)
+        kernel_config.WS_FWD_TILES[tail] = tiles
+        kernel_config.WS_FWD_META.update(RIGHT_REGS=right, GATHER_REGS=gather)
         row = {"shape": name, "variant": vname}
         try:
             out, lse = fwd()
@@ -103,7 +99,6 @@ def sweep(name: str) -> list[dict]:
     kernel_config.WS_FWD_TILES[tail] = saved_tiles
     kernel_config.WS_FWD_META.clear()
     kernel_config.WS_FWD_META.update(saved_meta)
-    kernel_config.WS_PP_META.update(saved_pp)
     kernel_config.FWD_KERNEL = "auto"
     return rows
 

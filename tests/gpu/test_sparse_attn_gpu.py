@@ -184,30 +184,15 @@ def _needs_hopper():
         pytest.skip("the warp-specialised forward is Hopper-only (sm90): run on the H200")
 
 
-WS_FORMS = {"ws": "_sparse_attn_fwd_ws_kernel", "pingpong": "_sparse_attn_fwd_pp_kernel"}
-
-
-@pytest.fixture(params=sorted(WS_FORMS))
-def ws_form(request):
-    """Both forms of the warp-specialised forward (``kernel_config.WS_FWD_TILES[...]["PINGPONG"]``); yields the
-    kernel name the launch counter must show."""
-    saved = {tail: dict(tiles) for tail, tiles in kernel_config.WS_FWD_TILES.items()}
-    for tiles in kernel_config.WS_FWD_TILES.values():
-        tiles["PINGPONG"] = request.param == "pingpong"
-    yield WS_FORMS[request.param]
-    for tail, tiles in saved.items():
-        kernel_config.WS_FWD_TILES[tail] = tiles
-
-
-def _check_ws_forward(run, r_out, r_lse, label, name="_sparse_attn_fwd_ws_kernel"):
-    """``run(scale_factor) -> (out, lse)`` through the default route: the Gluon kernel ``name`` ran (launch counter)
-    and is byte-identical run to run; fp32 reference within the forward tolerances, the Triton forward within them
-    too; a 5 % logit-scale error planted in the call lands over the tolerance (the check can fail)."""
-    before = launch.LAUNCH_COUNTS[name]
+def _check_ws_forward(run, r_out, r_lse, label):
+    """``run(scale_factor) -> (out, lse)`` through the default route: the Gluon kernel ran (launch counter) and is
+    byte-identical run to run; fp32 reference within the forward tolerances, the Triton forward within them too; a
+    5 % logit-scale error planted in the call lands over the tolerance (the check can fail)."""
+    before = launch.LAUNCH_COUNTS["_sparse_attn_fwd_ws_kernel"]
     out, lse = run(1.0)
     out2, lse2 = run(1.0)
     bad_out, _ = run(1.05)
-    assert launch.LAUNCH_COUNTS[name] == before + 3
+    assert launch.LAUNCH_COUNTS["_sparse_attn_fwd_ws_kernel"] == before + 3
     assert_bitwise(out, out2, "out differs between two runs")
     assert_bitwise(lse, lse2, "lse differs between two runs")
     kernel_config.FWD_KERNEL = "triton"
@@ -215,7 +200,7 @@ def _check_ws_forward(run, r_out, r_lse, label, name="_sparse_attn_fwd_ws_kernel
         out_t, _ = run(1.0)
     finally:
         kernel_config.FWD_KERNEL = "auto"
-    assert launch.LAUNCH_COUNTS[name] == before + 3
+    assert launch.LAUNCH_COUNTS["_sparse_attn_fwd_ws_kernel"] == before + 3
     finite = torch.isfinite(r_lse)
     assert torch.equal(torch.isfinite(lse), finite)
     errors = {"out": rel(out, r_out), "lse_abs": (lse[finite] - r_lse[finite]).abs().max().item(),
@@ -232,10 +217,9 @@ def _check_ws_forward(run, r_out, r_lse, label, name="_sparse_attn_fwd_ws_kernel
      (300, 64, 512, 300, 16, 0, True)],
     ids=["v32_h128", "v4_csa_h64", "edges_h20", "edges_5_blocks"],
 )
-def test_ws_forward(seq, heads, d_qk, topk, window, n_extra, edges, ws_form):
-    """The warp-specialised Gluon forward over an index table (kernel_fwd_ws.py, kernel_fwd_pp.py), see
-    ``_check_ws_forward``. ``edges_5_blocks``: ``topk_length`` gives every block count 0-5, odd and even (the
-    ping-pong form's last block belongs to either warpgroup)."""
+def test_ws_forward(seq, heads, d_qk, topk, window, n_extra, edges):
+    """The warp-specialised Gluon forward over an index table (kernel_fwd_ws.py), see ``_check_ws_forward``.
+    ``edges_5_blocks``: ``topk_length`` gives every block count from 0 to 5, odd and even, the last one partial."""
     _needs_hopper()
     d_v = 512
     q, kv, idx, sink, d_out, d_lse = make_case(seq, heads, d_qk, d_v, topk, window, n_extra, seed=2)
@@ -248,12 +232,12 @@ def test_ws_forward(seq, heads, d_qk, topk, window, n_extra, edges, ws_form):
     scale = 1.0 / math.sqrt(d_qk)
     r_out, r_lse = reference(q, kv, idx, sink, scale, d_v, d_out, d_lse, topk_length)[:2]
     _check_ws_forward(lambda f: kernel.sparse_attn_fwd(q, kv, idx, sink, scale * f, d_v=d_v, topk_length=topk_length),
-                      r_out, r_lse, f"{tuple(q.shape)} K={topk}", ws_form)
+                      r_out, r_lse, f"{tuple(q.shape)} K={topk}")
 
 
 @pytest.mark.parametrize("batch, seq, heads, n_keys, q_offset, d_qk",
                          [(2, 384, 64, 512, 100, 576), (1, 200, 20, 200, 0, 512)], ids=["b2_offset_h64", "h20_k_eq_v"])
-def test_ws_forward_dense_causal(batch, seq, heads, n_keys, q_offset, d_qk, ws_form):
+def test_ws_forward_dense_causal(batch, seq, heads, n_keys, q_offset, d_qk):
     """The same kernel in its dense causal mode (``causal.causal_attn_fwd``), see ``_check_ws_forward``."""
     from fleet_ext.ops.sparse_attn import causal
 
@@ -268,7 +252,7 @@ def test_ws_forward_dense_causal(batch, seq, heads, n_keys, q_offset, d_qk, ws_f
     scale = 1.0 / math.sqrt(d_qk)
     r_out, r_lse = causal_reference(q, kv, sink, scale, d_v, d_out, d_lse, seq, q_offset)[:2]
     _check_ws_forward(lambda f: causal.causal_attn_fwd(q, kv, sink, scale * f, seq, q_offset, d_v=d_v), r_out, r_lse,
-                      f"dense B={batch} S={seq} H={heads} N={n_keys} offset={q_offset} d={d_qk}", ws_form)
+                      f"dense B={batch} S={seq} H={heads} N={n_keys} offset={q_offset} d={d_qk}")
 
 
 def test_bf16_partials():

@@ -71,7 +71,6 @@ def compile_ws_forward(tail: int, dense: bool):
     scalars = {name: "i32" for name in ("H", "N", "K", "S", "q_offset")}
     strides = {name: "i32" for name in ("stride_qt", "stride_qh", "stride_kvn", "stride_it", "stride_ot", "stride_oh")}
     meta = {**kernel_config.WS_FWD_TILES[tail], **kernel_config.WS_FWD_META}
-    meta.pop("PINGPONG")
     options = {k: meta.pop(k) for k in ("num_warps", "maxnreg")}
     constexprs = {"D_TAIL": tail, "BLOCK_H": 64, "HAS_TOPK_LEN": not dense, "DENSE": dense, **meta}
     signature = {**pointers, **scalars, "qk_scale": "fp32", **strides, **{k: "constexpr" for k in constexprs}}

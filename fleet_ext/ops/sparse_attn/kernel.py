@@ -86,7 +86,6 @@ from fleet_ext.ops.sparse_attn.kernel_bwd import (
 )
 from fleet_ext.ops.sparse_attn.kernel_config import OVERRIDES, configs_for, launch_first_fitting, reduce_config
 from fleet_ext.ops.sparse_attn.kernel_fwd import _row_bound_kernel, _sparse_attn_fwd_kernel
-from fleet_ext.ops.sparse_attn.kernel_fwd_pp import _sparse_attn_fwd_pp_kernel
 from fleet_ext.ops.sparse_attn.kernel_fwd_ws import _sparse_attn_fwd_ws_kernel
 
 _LOG2E = 1.4426950408889634
@@ -237,15 +236,11 @@ def launch_ws_forward(q: Any, kv: Any, sink: Any, out: Any, lse: Any, scale: flo
     dense = idx is None
     n_kv = int(kv.shape[0]) // (num_t // seq) if dense else int(kv.shape[0])
     width = 0 if dense else int(idx.shape[1])
-    tiles = dict(kernel_config.WS_FWD_TILES[d_qk - d_v])
-    if tiles.pop("PINGPONG", False):
-        kern, meta = _sparse_attn_fwd_pp_kernel, {"BLOCK_N": tiles["BLOCK_N"], **kernel_config.WS_PP_META}
-    else:
-        kern, meta = _sparse_attn_fwd_ws_kernel, {**tiles, **kernel_config.WS_FWD_META}
-    launch(kern, (num_t, triton.cdiv(heads, 64)), q, kv, q if dense else idx,
+    launch(_sparse_attn_fwd_ws_kernel, (num_t, triton.cdiv(heads, 64)), q, kv, q if dense else idx,
            q if topk_length is None else topk_length, sink, out, lse, heads, n_kv, width, int(seq), int(q_offset),
            float(scale) * _LOG2E, heads * d_qk, d_qk, d_qk, width, heads * d_v, d_v,
-           D_TAIL=d_qk - d_v, BLOCK_H=64, HAS_TOPK_LEN=topk_length is not None, DENSE=dense, **meta)
+           D_TAIL=d_qk - d_v, BLOCK_H=64, HAS_TOPK_LEN=topk_length is not None, DENSE=dense,
+           **kernel_config.WS_FWD_TILES[d_qk - d_v], **kernel_config.WS_FWD_META)
 
 
 def use_ws_forward(q: Any, kv: Any, d_qk: int, d_v: int, fn: str) -> bool:

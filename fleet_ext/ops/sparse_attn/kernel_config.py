@@ -46,14 +46,10 @@ FWD_KERNEL = "auto"
 # Registers per thread, 3 x 168 shared by the three warpgroups: right half 168, gather 96, the softmax warpgroup the
 # 240 left (the sweep of 2026-12-01: best at all four shapes, within 2 % of a 80-register gather).
 WS_FWD_META = {"num_warps": 4, "maxnreg": 168, "RIGHT_REGS": 168, "GATHER_REGS": 96}
-# The ping-pong form (``kernel_fwd_pp.py``, tile key ``PINGPONG``): both consumers hold a 256-column accumulator and
-# compute S, so they get the same registers; warpgroup 0 takes the 3 x 168 left by the other two.
-WS_PP_META = {"num_warps": 4, "maxnreg": 168, "RIGHT_REGS": 224, "GATHER_REGS": 56}
 # Per key-only tail width (64: V3.2 latent, 0: DSv4): slots per block, stage buffers, whether the softmax
-# warpgroup's PV reads P from registers (kernel_fwd_ws.py; sweep: scripts/bench/tune_sparse_fwd_ws.py), and whether
-# the ping-pong form runs instead (``PINGPONG``: kernel_fwd_pp.py, two stages, P_IN_REGS implied).
-WS_FWD_TILES = {64: {"BLOCK_N": 64, "NUM_STAGES": 2, "P_IN_REGS": True, "PINGPONG": False},
-                0: {"BLOCK_N": 64, "NUM_STAGES": 2, "P_IN_REGS": True, "PINGPONG": False}}
+# warpgroup's PV reads P from registers (kernel_fwd_ws.py; sweep: scripts/bench/tune_sparse_fwd_ws.py).
+WS_FWD_TILES = {64: {"BLOCK_N": 64, "NUM_STAGES": 2, "P_IN_REGS": True},
+                0: {"BLOCK_N": 64, "NUM_STAGES": 2, "P_IN_REGS": True}}
 
 _CHOSEN: dict[tuple, dict] = {}
 OVERRIDES: dict[str, list[dict]] = {}  # kernel name -> configurations to try instead (benchmarks)
