@@ -24,7 +24,8 @@ copy measured in the same run; the copy kernels' launch settings are swept and t
 sweep is printed). The fused permute (``route_permute``: histogram, scan, rows + copy) sweeps ``PERMUTE_VARIANTS``
 (changes to its ``TUNE``), each checked exactly against eager (rows, tables, counts, offsets) before timing, with
 its CUDA-graph time and the CPU's enqueue time per call. ``--diagnose`` adds the routing alone, the copy alone
-(rows given), the same bytes written in order by a torch broadcast copy, and the write-only bandwidth. Times are
+(rows given), the same bytes written in order by a torch broadcast copy, the copy kernel over other row patterns
+(in order, slot-major, random; reading x or one row) and the write-only bandwidth. Times are
 medians of ``triton.testing.do_bench``. Prints one table last, writes bench_moe.json.
 """
 
@@ -50,17 +51,13 @@ from fleet_ext.ops.moe_router import kernel as router_kernel  # noqa: E402
 T, D, K = 8192, 4096, 6
 DEVICE = "cuda"
 COPY_VARIANTS = [(1, 2048, 8), (1, 4096, 8), (2, 1024, 4)]  # (BLOCK_T, BLOCK_D, warps)
-# The fused permute (routing + rows + copy, three launches): changes to the kernel's TUNE, each checked against eager
-PERMUTE_VARIANTS = {  # run 2 (2026-12-01) also swept maxnreg 40 / 32, 16 and 4 warps: 1.3-2.8x slower, dropped
+# The fused permute (routing + rows + copy, three launches): changes to the kernel's TUNE, each checked against eager.
+# Runs 2-4 (2026-12-01) also swept register caps 48 / 40 / 32, 16 and 4 warps, 2048-wide column blocks, two tokens
+# per program, streaming hints, PDL off, routing block 64, 1-D slot ranks and (run 4) the copy on the bulk copy
+# engine (a Gluon TMA ring): none faster (benchmarks/RESULTS.md), dropped. The default is timed twice (the spread).
+PERMUTE_VARIANTS = {
     "base": {},  # the defaults in kernel.TUNE
-    "one1": {"permute_one": 1},  # 1-D counts per slot (``_one_token_rows``) instead of the [k, block] comparison
-    "one1mr48": {"permute_one": 1, "permute_maxnreg": 48},
-    "br64": {"route_block_t": 64},
-    "mr48": {"permute_maxnreg": 48},
-    "bd2048": {"permute_block_d": 2048},
-    "pdl0": {"pdl": 0},
-    "stream": {"permute_stream": 1},
-    "bt2": {"permute_block_t": 2},
+    "base_again": {},
 }
 BWD_VARIANTS = [(2, 1024, 4), (1, 2048, 8), (2, 2048, 8)]  # the unpermute backward's (BLOCK_T, BLOCK_D, warps)
 ROUTER_VARIANTS = [(2, 4), (4, 4), (8, 8)]  # (BLOCK_T, warps)
@@ -306,6 +303,7 @@ def diagnose(experts: int) -> None:
     broadcast = lambda: out.view(T, K, D).copy_(x[:, None, :].expand(T, K, D))  # noqa: E731
     print(f"diag same bytes as the permute, rows in order (torch broadcast copy x -> [T, k, D]): graph "
           f"{graph_us(broadcast)} us, do_bench {median_us(broadcast):.1f} us", flush=True)
+    write_patterns(x, rows)
     write = torch.empty(1 << 29, dtype=torch.int32, device=DEVICE)  # 2 GiB, written only
     print(f"diag write-only bandwidth (zero_ of 2 GiB): {(2 << 30) / (median_us(write.zero_) * 1e-6) / 1e9:.0f} GB/s",
           flush=True)
@@ -314,6 +312,23 @@ def diagnose(experts: int) -> None:
         print(f"diag {name}: {compiled_info(getattr(pk, name))}")
     for name in ("_router_fwd", "_router_counts", "_router_bwd"):
         print(f"diag {name}: {compiled_info(getattr(router_kernel, name))}")
+
+
+def write_patterns(x: torch.Tensor, rows: torch.Tensor) -> None:
+    """Where the copy's rows go, and whether x is read, against its time: the copy kernel (``permute``, rows given)
+    writing the same bytes to the routing's rows, in order (token t to rows t*k ... t*k+k-1), slot-major (slot i of
+    every token to one region) and to random rows; each from x and from one row read by every token (x's stride 0:
+    the reads hit L2, so the stores alone)."""
+    tokens, topk = rows.shape
+    seq = torch.arange(tokens * topk, dtype=torch.int32, device=DEVICE).view(tokens, topk)
+    patterns = {"routing": rows, "in order": seq, "slot-major": seq.view(topk, tokens).t().contiguous(),
+                "random": torch.randperm(tokens * topk, device=DEVICE).int().view(tokens, topk)}
+    one_row = x[:1].expand(tokens, x.shape[1])
+    for label, r in patterns.items():
+        for source, src in (("x", x), ("one row", one_row)):
+            fn = lambda src=src, r=r: permute_kernel.permute(src, r)  # noqa: E731
+            print(f"diag write pattern {label:10} from {source:7}: graph {graph_us(fn)} us, "
+                  f"do_bench {median_us(fn):.1f} us", flush=True)
 
 
 def experts_and_layer(args: argparse.Namespace, header: str) -> None:

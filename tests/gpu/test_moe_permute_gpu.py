@@ -113,7 +113,7 @@ def _assert_fused_permute(fused, x, idx, experts) -> None:
 
 
 SETTINGS = [  # launch settings the benchmark sweeps: none may change a bit of the results
-    {"pdl": 0}, {"permute_one": 1}, {"route_block_t": 32}, {"route_block_t": 64}, {"permute_maxnreg": 32},
+    {"pdl": 0}, {"route_block_t": 32}, {"route_block_t": 64}, {"permute_maxnreg": 32},
     {"permute_block_d": 2048}, {"permute_warps": 4}, {"permute_maxnreg": 48}, {"permute_stream": 1},
     {"permute_block_t": 2, "permute_block_d": 512}, {"scan_block_b": 8, "scan_block_e": 16},
 ]

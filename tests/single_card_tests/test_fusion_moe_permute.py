@@ -137,19 +137,18 @@ def test_the_routing_tables_alone_equal_the_fused_permutes(routing, topk):
 
 
 GPU_SHAPES = [  # the GPU's launch shapes: one token (or two) per copy program, routing blocks smaller than T
-    {"route_block_t": 8, "permute_block_t": 1, "permute_block_d": 8, "scan_block_b": 2, "scan_block_e": 4,
-     "permute_one": 1},
+    {"route_block_t": 8, "permute_block_t": 1, "permute_block_d": 8, "scan_block_b": 2, "scan_block_e": 4},
     {"route_block_t": 16, "permute_block_t": 2, "permute_block_d": 64, "rows_block_t": 4, "permute_stream": 1},
-    {"route_block_t": 4, "permute_block_t": 1, "permute_one": 0, "scan_block_b": 8, "scan_block_e": 256},
+    {"route_block_t": 4, "permute_block_t": 1, "scan_block_b": 8, "scan_block_e": 256},
 ]
 
 
-@pytest.mark.parametrize("setting", GPU_SHAPES, ids=["one_token", "two_tokens", "one_token_2d_rank"])
+@pytest.mark.parametrize("setting", GPU_SHAPES, ids=["one_token", "two_tokens", "one_token_wide_scan"])
 @pytest.mark.parametrize("tokens, hidden, experts, topk, routing", [CASES[1], CASES[7]], ids=["odd", "repeated"])
 def test_gpu_launch_shapes_in_the_interpreter(monkeypatch, setting, tokens, hidden, experts, topk, routing):
     """The launch shapes the GPU takes (the interpreter's own are one program per 64 tokens), run by the interpreter:
-    ``_one_token_rows`` and ``_pair_rows`` with copy programs smaller than a routing block, a D loop of several
-    blocks, the scan over several expert chunks; rows and tables equal the reference's, ``route`` equals them too."""
+    ``_pair_rows`` with copy programs smaller than a routing block, a D loop of several blocks, the scan over
+    several expert chunks; rows and tables equal the reference's, ``route`` equals them too."""
     x, idx, _, _ = _data(tokens, hidden, experts, topk, routing, seed=6)
     want, want_plan = reference.permute(paddle.to_tensor(x), paddle.to_tensor(idx), experts)
     monkeypatch.setattr(kernel, "is_interpreted", lambda: False)  # plans only: the kernels stay interpreted

@@ -149,34 +149,6 @@ def _store_maps(maps_ptr, t, row, src, valid, T, K: tl.constexpr):
 
 
 @triton.jit
-def _one_token_rows(idx_ptr, scratch_ptr, table_ptr, maps_ptr, t, T, E, NB, K: tl.constexpr, K_PAD: tl.constexpr,
-                    BLOCK_R: tl.constexpr, PDL: tl.constexpr):
-    """``_pair_rows`` for one token (the same rows): its k experts read as scalars, each ranked against the block's
-    pairs by a 1-D count, so a thread holds two of the block's ids, not a row of a [k, block] comparison."""
-    b = t // BLOCK_R
-    q = tl.arange(0, BLOCK_R * K_PAD)
-    tq = b * BLOCK_R + q // K_PAD
-    jq = q % K_PAD
-    eq = tl.load(idx_ptr + tq.to(tl.int64) * K + jq, mask=(tq < T) & (jq < K), other=-1).to(tl.int32)
-    j = tl.arange(0, K_PAD)
-    src = t.to(tl.int64) * K + j
-    e = tl.load(idx_ptr + src, mask=j < K, other=-1).to(tl.int32)
-    valid = (j < K) & (e >= 0) & (e < E)
-    mine = (t - b * BLOCK_R) * K_PAD
-    rank = tl.zeros([K_PAD], dtype=tl.int32)
-    for i in tl.static_range(K):
-        e_i = tl.load(idx_ptr + t.to(tl.int64) * K + i).to(tl.int32)
-        r_i = tl.sum(((eq == e_i) & (q < mine + i)).to(tl.int32), axis=0)
-        rank = tl.where(j == i, r_i, rank)
-    if PDL:
-        gdc_wait()  # the scan's start / offsets complete and visible
-    row = rank + tl.load(scratch_ptr + (NB + b) * E + e, mask=valid, other=0)
-    row += tl.load(table_ptr + E + e, mask=valid, other=0).to(tl.int32)
-    _store_maps(maps_ptr, t + tl.zeros([K_PAD], dtype=tl.int32), row, src, valid, T, K)
-    return row, valid
-
-
-@triton.jit
 def _route_rows(idx_ptr, scratch_ptr, table_ptr, maps_ptr, T, E, NB, K: tl.constexpr, K_PAD: tl.constexpr,
                 BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
     """The routing tables alone (``route``): each token's rows ascending and their flat sources."""
@@ -187,9 +159,8 @@ def _route_rows(idx_ptr, scratch_ptr, table_ptr, maps_ptr, T, E, NB, K: tl.const
 @triton.jit
 def _permute_fwd(x_ptr, out_ptr, idx_ptr, scratch_ptr, table_ptr, maps_ptr, T, D, E, NB, x_st, o_st,
                  K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_R: tl.constexpr, PDL: tl.constexpr, STREAM: tl.constexpr, ONE: tl.constexpr):
-    """The tokens' rows (``_pair_rows``; ``_one_token_rows`` when ONE: BLOCK_T = 1), then out[row] = x[t] for each
-    of a token's k rows.
+                 BLOCK_R: tl.constexpr, PDL: tl.constexpr, STREAM: tl.constexpr):
+    """The tokens' rows (``_pair_rows``), then out[row] = x[t] for each of a token's k rows.
 
     The first BLOCK_D columns of x are loaded before the routing arithmetic and each next block before the current
     one's stores, so a load is in flight while the program ranks its pairs and while it stores."""
@@ -200,11 +171,7 @@ def _permute_fwd(x_ptr, out_ptr, idx_ptr, scratch_ptr, table_ptr, maps_ptr, T, D
     x_row = x_ptr + tt.to(tl.int64)[:, None] * x_st
     evict: tl.constexpr = "evict_first" if STREAM else ""
     v = tl.load(x_row + cols[None, :], mask=t_mask[:, None] & (cols < D)[None, :], eviction_policy=evict)
-    if ONE:
-        row, valid = _one_token_rows(idx_ptr, scratch_ptr, table_ptr, maps_ptr, t0, T, E, NB, K, K_PAD, BLOCK_R, PDL)
-    else:
-        row, valid = _pair_rows(idx_ptr, scratch_ptr, table_ptr, maps_ptr, t0, T, E, NB, K, K_PAD, BLOCK_T, BLOCK_R,
-                                PDL)
+    row, valid = _pair_rows(idx_ptr, scratch_ptr, table_ptr, maps_ptr, t0, T, E, NB, K, K_PAD, BLOCK_T, BLOCK_R, PDL)
     m = tl.arange(0, BLOCK_T * K_PAD)
     own = tl.arange(0, BLOCK_T) * K_PAD
     for d0 in range(0, D, BLOCK_D):
@@ -332,8 +299,6 @@ TUNE: dict[str, int] = {
     "permute_warps": 8,
     "permute_stream": 0,  # 1: x read evict-first, rows written streaming (.cs)
     "permute_maxnreg": 0,  # register cap (0: none)
-    "permute_one": 0,  # 1: one token per program ranks its k pairs by 1-D counts (``_one_token_rows``: fewer
-    # registers; interpreter-tested only, not yet timed on a GPU)
     "pdl": 1,  # programmatic dependent launch (sm90+): each routing launch starts before the previous one ends
     "copy_block_t": 1,  # tokens per permute(rows) / unpermute / permute-backward program
     "copy_block_d": 2048,
@@ -439,8 +404,7 @@ def _plan(key: tuple, indices: Any, experts: int, hidden: Any = None) -> RoutePl
         rows = Plan((triton.cdiv(tokens, block_t),),
                     (tokens, dim, experts, n_blocks, _row_stride(hidden, "hidden_states", "moe_permute"), dim),
                     dict(BLOCK_T=block_t, BLOCK_D=block_d, STREAM=bool(TUNE["permute_stream"]) and not interpreted,
-                         ONE=block_t == 1 and bool(TUNE["permute_one"]), num_warps=warps, **pairs,
-                         **_cap(TUNE["permute_maxnreg"], interpreted)))
+                         num_warps=warps, **pairs, **_cap(TUNE["permute_maxnreg"], interpreted)))
         out = [tokens * topk, dim]
     int32, int64 = _framework_dtype(indices, "int32"), _framework_dtype(indices, "int64")
     return _PLANS.add(key, RoutePlan(hist, scan, rows, [2, n_blocks, experts], [2 * experts + 1], [2, tokens, topk],
