@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 from bench_sparse_attn import _inputs, make_shape, median_ms  # noqa: E402
 
-from fleet_ext.ops.sparse_attn import kernel, kernel_config  # noqa: E402
+from fleet_ext.ops.sparse_attn import causal, kernel, kernel_config  # noqa: E402
 
 # name, tiles, register split (right half, gather; the softmax warpgroup gets 3 x 168 minus both). Run 1 of
 # 2026-12-01 (benchmarks/RESULTS.md) also measured 32-slot blocks with 4 stages, the (152, 96) split, and the
@@ -36,6 +36,7 @@ from fleet_ext.ops.sparse_attn import kernel, kernel_config  # noqa: E402
 # they are no longer kept; nor is run 7's (same day) next block's S issued before this block's PV is waited on:
 # byte-identical, 4-6 % slower at all four shapes; nor run 8's ping-pong form (both consumers computing S on
 # alternate blocks, commit e4ebc88): 0.71-0.77x the default at the four shapes, its consumers spilling.
+# Nor run 9's persistent programs (one per SM taking tiles in turn): +7-10 % at HCA 16k, -14 % at tl_h64.
 VARIANTS = [
     ("n64_s2_psmem", {"BLOCK_N": 64, "NUM_STAGES": 2, "P_IN_REGS": False}, (168, 80)),
     ("n64_s2_preg", {"BLOCK_N": 64, "NUM_STAGES": 2, "P_IN_REGS": True}, (168, 80)),
@@ -62,14 +63,29 @@ def shape_inputs(name: str) -> tuple:
     return q, kv, idx, sink, scale, shape["d_v"]
 
 
-def sweep(name: str) -> list[dict]:
-    q, kv, idx, sink, scale, d_v = shape_inputs(name)
-    tail = q.shape[-1] - d_v
-    pairs = int(((idx >= 0) & (idx < kv.shape[0])).sum().item())
-    flop = 2 * q.shape[1] * (q.shape[-1] + d_v) * pairs
+def dense_case(name: str) -> tuple:
+    """``dense_s{S}_h{H}``: the dense causal mode (``causal.causal_attn_fwd``) on one sequence, d_qk 576, d_v 512;
+    FLOPs over the causal pairs S (S + 1) / 2."""
+    seq, heads = (int(part[1:]) for part in name.split("_")[1:])
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = (torch.randn((seq, heads, 576), device="cuda", generator=g) / 4).to(torch.bfloat16)
+    kv = (torch.randn((seq, 576), device="cuda", generator=g) / 4).to(torch.bfloat16)
+    sink = torch.zeros((heads,), device="cuda")
+    flop = 2 * heads * (576 + 512) * seq * (seq + 1) // 2
+    return (lambda: causal.causal_attn_fwd(q, kv, sink, 576 ** -0.5, seq, 0, d_v=512)), flop, 64
 
-    def fwd():
-        return kernel.sparse_attn_fwd(q, kv, idx, sink, scale, d_v=d_v)
+
+def sweep(name: str) -> list[dict]:
+    if name.startswith("dense_"):
+        fwd, flop, tail = dense_case(name)
+    else:
+        q, kv, idx, sink, scale, d_v = shape_inputs(name)
+        tail = q.shape[-1] - d_v
+        pairs = int(((idx >= 0) & (idx < kv.shape[0])).sum().item())
+        flop = 2 * q.shape[1] * (q.shape[-1] + d_v) * pairs
+
+        def fwd():
+            return kernel.sparse_attn_fwd(q, kv, idx, sink, scale, d_v=d_v)
 
     rows = []
     kernel_config.FWD_KERNEL = "triton"
@@ -106,7 +122,8 @@ def sweep(name: str) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--shapes", nargs="*", default=["tl_h128", "tl_h64", "v4csa_s16384", "v4hca_s16384"])
+    parser.add_argument("--shapes", nargs="*", default=["tl_h128", "tl_h64", "v4csa_s16384", "v4hca_s16384"],
+                        help="also dense_s{S}_h{H}: the dense causal mode on one sequence")
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
     print(f"{props.name}, torch {torch.__version__}, triton {triton.__version__}", flush=True)

@@ -186,29 +186,21 @@ def _needs_hopper():
 
 def _check_ws_forward(run, r_out, r_lse, label):
     """``run(scale_factor) -> (out, lse)`` through the default route: the Gluon kernel ran (launch counter) and is
-    byte-identical run to run and between its two launch forms (persistent programs, one program per tile); fp32
-    reference within the forward tolerances, the Triton forward within them too; a 5 % logit-scale error planted in
-    the call lands over the tolerance (the check can fail)."""
+    byte-identical run to run; fp32 reference within the forward tolerances, the Triton forward within them too; a
+    5 % logit-scale error planted in the call lands over the tolerance (the check can fail)."""
     before = launch.LAUNCH_COUNTS["_sparse_attn_fwd_ws_kernel"]
     out, lse = run(1.0)
     out2, lse2 = run(1.0)
     bad_out, _ = run(1.05)
-    kernel_config.WS_FWD_PERSISTENT = not kernel_config.WS_FWD_PERSISTENT
-    try:
-        out3, lse3 = run(1.0)
-    finally:
-        kernel_config.WS_FWD_PERSISTENT = not kernel_config.WS_FWD_PERSISTENT
-    assert launch.LAUNCH_COUNTS["_sparse_attn_fwd_ws_kernel"] == before + 4
+    assert launch.LAUNCH_COUNTS["_sparse_attn_fwd_ws_kernel"] == before + 3
     assert_bitwise(out, out2, "out differs between two runs")
     assert_bitwise(lse, lse2, "lse differs between two runs")
-    assert_bitwise(out, out3, "out differs between persistent programs and one program per tile")
-    assert_bitwise(lse, lse3, "lse differs between persistent programs and one program per tile")
     kernel_config.FWD_KERNEL = "triton"
     try:
         out_t, _ = run(1.0)
     finally:
         kernel_config.FWD_KERNEL = "auto"
-    assert launch.LAUNCH_COUNTS["_sparse_attn_fwd_ws_kernel"] == before + 4
+    assert launch.LAUNCH_COUNTS["_sparse_attn_fwd_ws_kernel"] == before + 3
     finite = torch.isfinite(r_lse)
     assert torch.equal(torch.isfinite(lse), finite)
     errors = {"out": rel(out, r_out), "lse_abs": (lse[finite] - r_lse[finite]).abs().max().item(),

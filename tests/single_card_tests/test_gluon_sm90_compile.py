@@ -73,8 +73,7 @@ def compile_ws_forward(tail: int, dense: bool):
     meta = {**kernel_config.WS_FWD_TILES[tail], **kernel_config.WS_FWD_META}
     options = {k: meta.pop(k) for k in ("num_warps", "maxnreg")}
     constexprs = {"D_TAIL": tail, "BLOCK_H": 64, "HAS_TOPK_LEN": not dense, "DENSE": dense, **meta}
-    signature = {**pointers, **scalars, "qk_scale": "fp32", **strides, **{k: "constexpr" for k in constexprs},
-                 "NUM_T": "i32", "HEAD_BLOCKS": "i32"}
+    signature = {**pointers, **scalars, "qk_scale": "fp32", **strides, **{k: "constexpr" for k in constexprs}}
     return compile_sm90(_sparse_attn_fwd_ws_kernel, signature, constexprs, (*pointers, *strides), **options)
 
 
@@ -139,7 +138,7 @@ def test_attention_defaults_compile_without_wgmma_serialisation_or_spills(tail, 
     assert ptx.count("wgmma.mma_async") > 0
     serialised, spilled = ptxas_report(ptx, tmp_path)
     assert not serialised, "ptxas serialises the wgmma instructions (C7515): an async result crosses the loop"
-    assert spilled <= (128 if dense else 16), f"{spilled} bytes spilled"  # the gather's tile state
+    assert spilled <= (64 if dense else 0), f"{spilled} bytes spilled"
 
 
 @pytest.mark.parametrize("case", ["gate_up-0", "gate_up-1", "d_weight"],

@@ -67,7 +67,6 @@ mode (no index table: keys ``0 .. position``) is ``causal.py`` (launchers) and `
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -237,24 +236,11 @@ def launch_ws_forward(q: Any, kv: Any, sink: Any, out: Any, lse: Any, scale: flo
     dense = idx is None
     n_kv = int(kv.shape[0]) // (num_t // seq) if dense else int(kv.shape[0])
     width = 0 if dense else int(idx.shape[1])
-    head_blocks = triton.cdiv(heads, 64)
-    tiles = num_t * head_blocks
-    if kernel_config.WS_FWD_PERSISTENT:
-        programs = min(tiles, _sm_count(torch_view(q).device.index))
-    else:
-        programs = tiles
-    launch(_sparse_attn_fwd_ws_kernel, (max(programs, 1),), q, kv, q if dense else idx,
+    launch(_sparse_attn_fwd_ws_kernel, (num_t, triton.cdiv(heads, 64)), q, kv, q if dense else idx,
            q if topk_length is None else topk_length, sink, out, lse, heads, n_kv, width, int(seq), int(q_offset),
            float(scale) * _LOG2E, heads * d_qk, d_qk, d_qk, width, heads * d_v, d_v,
-           D_TAIL=d_qk - d_v, BLOCK_H=64, HAS_TOPK_LEN=topk_length is not None, DENSE=dense, NUM_T=num_t,
-           HEAD_BLOCKS=head_blocks, **kernel_config.WS_FWD_TILES[d_qk - d_v], **kernel_config.WS_FWD_META)
-
-
-@functools.cache
-def _sm_count(device_index: int | None) -> int:
-    """Streaming multiprocessors of a CUDA device (asked once per device, through Triton's driver)."""
-    props = triton.runtime.driver.active.utils.get_device_properties(device_index or 0)
-    return int(props["multiprocessor_count"])
+           D_TAIL=d_qk - d_v, BLOCK_H=64, HAS_TOPK_LEN=topk_length is not None, DENSE=dense,
+           **kernel_config.WS_FWD_TILES[d_qk - d_v], **kernel_config.WS_FWD_META)
 
 
 def use_ws_forward(q: Any, kv: Any, d_qk: int, d_v: int, fn: str) -> bool:

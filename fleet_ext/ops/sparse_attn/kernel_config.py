@@ -51,10 +51,6 @@ WS_FWD_META = {"num_warps": 4, "maxnreg": 168, "RIGHT_REGS": 168, "GATHER_REGS":
 WS_FWD_TILES = {64: {"BLOCK_N": 64, "NUM_STAGES": 2, "P_IN_REGS": True},
                 0: {"BLOCK_N": 64, "NUM_STAGES": 2, "P_IN_REGS": True}}
 
-# Persistent programs (about one per SM, each taking tiles in turn: the gather loads the next tile's query and
-# first blocks while the consumers finish a tile) instead of one program per (query row, 64 heads).
-WS_FWD_PERSISTENT = True
-
 _CHOSEN: dict[tuple, dict] = {}
 OVERRIDES: dict[str, list[dict]] = {}  # kernel name -> configurations to try instead (benchmarks)
 

@@ -77,52 +77,13 @@ def _copy_cols(dst, BASE, row, ok, stride_row, col0, WIDTH: gl.constexpr, layout
 
 
 @gluon.jit
-def _tile(tile, Q, KV, IDX, TOPK_LEN, N, K, S, q_offset, stride_qt, stride_kvn, stride_it, NUM_T, HEAD_BLOCKS,
-          BLOCK_H: gl.constexpr, HAS_TOPK_LEN: gl.constexpr, DENSE: gl.constexpr):
-    """Tile ``tile`` (query row, 64-head block): ``t``, its first head, its key count, its index row, its query row
-    and its key rows. Dense causal: the longest rows first (``t`` from the end)."""
-    h0 = (tile % HEAD_BLOCKS) * BLOCK_H
-    if DENSE:
-        t = (NUM_T - 1 - tile // HEAD_BLOCKS).to(gl.int64)
-        seq_b = t // S
-        n_valid = gl.minimum(q_offset + (t - seq_b * S) + 1, N).to(gl.int32)
-        kv_base = KV + seq_b * N * stride_kvn
-    else:
-        t = (tile // HEAD_BLOCKS).to(gl.int64)
-        n_valid = K
-        if HAS_TOPK_LEN:
-            n_valid = gl.minimum(gl.maximum(gl.load(TOPK_LEN + t).to(gl.int32), 0), K)
-        kv_base = KV
-    return t, h0, n_valid, IDX + t * stride_it, Q + t * stride_qt, kv_base
-
-
-@gluon.jit
-def _gather_partition(args, bufs, bars, H, N, stride_qh, stride_kvn,
+def _gather_partition(q_base, kv_base, idx_row, n_valid, bufs, bars, h0, H, N, stride_qh, stride_kvn,
                       D_TAIL: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                      HAS_TOPK_LEN: gl.constexpr, DENSE: gl.constexpr):
-    """Per tile of this program: the query tile once its buffer is free, then each block's rows into the next free
-    stage, running ahead into the next tile while the consumers finish this one. The next block's row numbers are
+                      GATHER: gl.constexpr):
+    """The query tile once, then each block's rows into the next free stage. The next block's row numbers are
     loaded right after a block's copies are issued, so their latency passes while the stage is still in use."""
     q_lo, q_hi, q_tail, kv_lo, kv_hi, kv_tail, p_smem, alpha_smem, l_smem = bufs
-    q_ready, q_free, kv_ready, kv_free, p_ready, p_free, done, done_free = bars
-    Q, KV, IDX, TOPK_LEN, K, S, q_offset, stride_qt, stride_it, NUM_T, HEAD_BLOCKS, n_tiles = args
-    g = 0  # blocks of this program so far: stage g % NUM_STAGES
-    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        local = (tile - gl.program_id(0)) // gl.num_programs(0)
-        t, h0, n_valid, idx_row, q_base, kv_base = _tile(tile, Q, KV, IDX, TOPK_LEN, N, K, S, q_offset, stride_qt,
-                                                         stride_kvn, stride_it, NUM_T, HEAD_BLOCKS, BLOCK_H,
-                                                         HAS_TOPK_LEN, DENSE)
-        mbarrier.wait(q_free, (local & 1) ^ 1)
-        g = _gather_tile(q_base, kv_base, idx_row, n_valid, bufs, q_ready, kv_ready, kv_free, g, h0, H, N,
-                         stride_qh, stride_kvn, D_TAIL, BLOCK_H, BLOCK_N, NUM_STAGES, not DENSE)
-
-
-@gluon.jit
-def _gather_tile(q_base, kv_base, idx_row, n_valid, bufs, q_ready, kv_ready, kv_free, g, h0, H, N, stride_qh,
-                 stride_kvn, D_TAIL: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                 NUM_STAGES: gl.constexpr, GATHER: gl.constexpr):
-    """One tile's query rows, then its blocks from the program's block count ``g`` on; returns the count after."""
-    q_lo, q_hi, q_tail, kv_lo, kv_hi, kv_tail, p_smem, alpha_smem, l_smem = bufs
+    q_ready, kv_ready, kv_free, p_ready, p_free, done = bars
     for r in gl.static_range(0, BLOCK_H, 16):
         row, ok = _rows(idx_row, h0 + r, H, N, 16, _WIDE_ROWS, False)
         _copy_cols(q_lo.slice(r, 16), q_base, row, ok, stride_qh, 0, HALF, _WIDE)
@@ -136,8 +97,8 @@ def _gather_tile(q_base, kv_base, idx_row, n_valid, bufs, q_ready, kv_ready, kv_
     if D_TAIL > 0:
         row_t, ok_t = _rows(idx_row, 0, n_valid, N, BLOCK_N, _NARROW_ROWS, GATHER)
     for i in range(gl.cdiv(n_valid, BLOCK_N)):
-        stage = (g + i) % NUM_STAGES
-        mbarrier.wait(kv_free.index(stage), (((g + i) // NUM_STAGES) & 1) ^ 1)
+        stage = i % NUM_STAGES
+        mbarrier.wait(kv_free.index(stage), ((i // NUM_STAGES) & 1) ^ 1)
         _copy_cols(kv_lo.index(stage), kv_base, row, ok, stride_kvn, 0, HALF, _WIDE)
         _copy_cols(kv_hi.index(stage), kv_base, row, ok, stride_kvn, HALF, HALF, _WIDE)
         if D_TAIL > 0:
@@ -146,7 +107,6 @@ def _gather_tile(q_base, kv_base, idx_row, n_valid, bufs, q_ready, kv_ready, kv_
         row, ok = _rows(idx_row, (i + 1) * BLOCK_N, n_valid, N, BLOCK_N, _WIDE_ROWS, GATHER)
         if D_TAIL > 0:
             row_t, ok_t = _rows(idx_row, (i + 1) * BLOCK_N, n_valid, N, BLOCK_N, _NARROW_ROWS, GATHER)
-    return g + gl.cdiv(n_valid, BLOCK_N)
 
 
 @gluon.jit
@@ -182,31 +142,31 @@ def _hand_over(p, alpha, p_smem, alpha_smem, p_ready, p_free, i):
 
 
 @gluon.jit
-def _blocks(idx_row, n_valid, N, qk_scale, m_i, l_i, o, g, bufs, bars, s_l: gl.constexpr, o_l: gl.constexpr,
+def _blocks(idx_row, n_valid, N, qk_scale, m_i, l_i, o, bufs, bars, s_l: gl.constexpr, o_l: gl.constexpr,
             D_TAIL: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
             GATHER: gl.constexpr, P_IN_REGS: gl.constexpr):
     """Per block: S_i, softmax, PV_i (left half), free the stage (a whole block before the gather needs it again).
     ``P_IN_REGS``: this warpgroup's PV takes P from registers and is issued before the hand-over, so waiting for the
     right half to finish the previous block is off this warpgroup's path to the tensor cores. Every async wgmma is
     waited in the iteration that issued it: a wgmma result carried around the loop makes ptxas serialise all of them
-    (C7515). ``g``: the program's blocks before this tile's (stage and barrier phases count on from it)."""
+    (C7515)."""
     q_lo, q_hi, q_tail, kv_lo, kv_hi, kv_tail, p_smem, alpha_smem, l_smem = bufs
-    q_ready, q_free, kv_ready, kv_free, p_ready, p_free, done, done_free = bars
+    q_ready, kv_ready, kv_free, p_ready, p_free, done = bars
     col_s: gl.constexpr = gl.SliceLayout(0, s_l)
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
     for i in range(gl.cdiv(n_valid, BLOCK_N)):
-        stage = (g + i) % NUM_STAGES
+        stage = i % NUM_STAGES
         _, ok = _rows(idx_row, i * BLOCK_N, n_valid, N, BLOCK_N, col_s, GATHER)  # latency hidden by S_i
-        mbarrier.wait(kv_ready.index(stage), ((g + i) // NUM_STAGES) & 1)
+        mbarrier.wait(kv_ready.index(stage), (i // NUM_STAGES) & 1)
         s = _issue_qk(q_lo, q_hi, q_tail, kv_lo.index(stage), kv_hi.index(stage), kv_tail.index(stage),
                       gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_l), D_TAIL)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         m_i, l_i, o, p, alpha = _softmax_block(s, ok, m_i, l_i, o, qk_scale, o_l)
         if P_IN_REGS:
             o_tok = warpgroup_mma(gl.convert_layout(p.to(p_smem.dtype), a_l), kv_lo.index(stage), o, is_async=True)
-            _hand_over(p, alpha, p_smem, alpha_smem, p_ready, p_free, g + i)
+            _hand_over(p, alpha, p_smem, alpha_smem, p_ready, p_free, i)
         else:
-            _hand_over(p, alpha, p_smem, alpha_smem, p_ready, p_free, g + i)
+            _hand_over(p, alpha, p_smem, alpha_smem, p_ready, p_free, i)
             o_tok = warpgroup_mma(p_smem, kv_lo.index(stage), o, is_async=True)
         o = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
         mbarrier.arrive(kv_free.index(stage), count=1)
@@ -214,30 +174,11 @@ def _blocks(idx_row, n_valid, N, qk_scale, m_i, l_i, o, g, bufs, bars, s_l: gl.c
 
 
 @gluon.jit
-def _softmax_partition(args, SINK, OUT, LSE, bufs, bars, H, N, qk_scale, stride_kvn, stride_ot, stride_oh,
+def _softmax_partition(idx_row, n_valid, SINK, OUT, LSE, bufs, bars, t, h0, H, N, qk_scale, stride_ot, stride_oh,
                        D_TAIL: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                       P_IN_REGS: gl.constexpr, HAS_TOPK_LEN: gl.constexpr, DENSE: gl.constexpr):
-    q_ready, q_free, kv_ready, kv_free, p_ready, p_free, done, done_free = bars
-    Q, KV, IDX, TOPK_LEN, K, S, q_offset, stride_qt, stride_it, NUM_T, HEAD_BLOCKS, n_tiles = args
-    g = 0
-    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        local = (tile - gl.program_id(0)) // gl.num_programs(0)
-        t, h0, n_valid, idx_row, q_base, kv_base = _tile(tile, Q, KV, IDX, TOPK_LEN, N, K, S, q_offset, stride_qt,
-                                                         stride_kvn, stride_it, NUM_T, HEAD_BLOCKS, BLOCK_H,
-                                                         HAS_TOPK_LEN, DENSE)
-        _softmax_tile(idx_row, n_valid, SINK, OUT, LSE, bufs, bars, t, h0, H, N, qk_scale, stride_ot, stride_oh,
-                      g, local, D_TAIL, BLOCK_H, BLOCK_N, NUM_STAGES, P_IN_REGS, not DENSE)
-        g += gl.cdiv(n_valid, BLOCK_N)
-
-
-@gluon.jit
-def _softmax_tile(idx_row, n_valid, SINK, OUT, LSE, bufs, bars, t, h0, H, N, qk_scale, stride_ot, stride_oh, g, local,
-                  D_TAIL: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                  P_IN_REGS: gl.constexpr, GATHER: gl.constexpr):
-    """One tile: its blocks (``_blocks``), the query buffer handed back, the row sums to the right half once it has
-    read the previous tile's, the log-sum-exp and the left half of the output."""
+                       P_IN_REGS: gl.constexpr, GATHER: gl.constexpr):
     q_lo, q_hi, q_tail, kv_lo, kv_hi, kv_tail, p_smem, alpha_smem, l_smem = bufs
-    q_ready, q_free, kv_ready, kv_free, p_ready, p_free, done, done_free = bars
+    q_ready, kv_ready, kv_free, p_ready, p_free, done = bars
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
     row_s: gl.constexpr = gl.SliceLayout(1, s_l)
@@ -247,15 +188,13 @@ def _softmax_tile(idx_row, n_valid, SINK, OUT, LSE, bufs, bars, t, h0, H, N, qk_
     m_i = gl.maximum(sink2, _NEG_BIG)
     l_i = gl.zeros([BLOCK_H], gl.float32, row_s)
     o = gl.zeros([BLOCK_H, HALF], gl.float32, o_l)
-    mbarrier.wait(q_ready, local & 1)
-    m_i, l_i, o = _blocks(idx_row, n_valid, N, qk_scale, m_i, l_i, o, g, bufs, bars, s_l, o_l, D_TAIL, BLOCK_H,
-                          BLOCK_N, NUM_STAGES, GATHER, P_IN_REGS)
-    mbarrier.arrive(q_free, count=1)  # every S of this tile waited: the gather may load the next query
+    mbarrier.wait(q_ready, 0)
+    m_i, l_i, o = _blocks(idx_row, n_valid, N, qk_scale, m_i, l_i, o, bufs, bars, s_l, o_l, D_TAIL, BLOCK_H, BLOCK_N,
+                          NUM_STAGES, GATHER, P_IN_REGS)
 
     l_i = l_i + gl.exp2(sink2 - m_i)
     has_mass = l_i > 0.0
     l_safe = gl.where(has_mass, l_i, 1.0)
-    mbarrier.wait(done_free, (local & 1) ^ 1)
     l_smem.store(l_safe)
     mbarrier.arrive(done, count=1)
     lse = gl.where(has_mass, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
@@ -274,34 +213,23 @@ def _store_half(OUT, acc, l_row, t, h0, col0, H, stride_ot, stride_oh, o_l: gl.c
 
 
 @gluon.jit
-def _right_half_partition(args, OUT, bufs, bars, H, N, stride_kvn, stride_ot, stride_oh, BLOCK_H: gl.constexpr,
-                          BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
-                          DENSE: gl.constexpr):
+def _right_half_partition(n_valid, OUT, bufs, bars, t, h0, H, stride_ot, stride_oh,
+                          BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
     q_lo, q_hi, q_tail, kv_lo, kv_hi, kv_tail, p_smem, alpha_smem, l_smem = bufs
-    q_ready, q_free, kv_ready, kv_free, p_ready, p_free, done, done_free = bars
-    Q, KV, IDX, TOPK_LEN, K, S, q_offset, stride_qt, stride_it, NUM_T, HEAD_BLOCKS, n_tiles = args
+    q_ready, kv_ready, kv_free, p_ready, p_free, done = bars
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
     rows_o: gl.constexpr = gl.SliceLayout(1, o_l)
-    g = 0
-    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        local = (tile - gl.program_id(0)) // gl.num_programs(0)
-        t, h0, n_valid, idx_row, q_base, kv_base = _tile(tile, Q, KV, IDX, TOPK_LEN, N, K, S, q_offset, stride_qt,
-                                                         stride_kvn, stride_it, NUM_T, HEAD_BLOCKS, BLOCK_H,
-                                                         HAS_TOPK_LEN, DENSE)
-        acc = gl.zeros([BLOCK_H, HALF], gl.float32, o_l)
-        for i in range(gl.cdiv(n_valid, BLOCK_N)):
-            stage = (g + i) % NUM_STAGES
-            mbarrier.wait(p_ready, (g + i) & 1)
-            acc = acc * alpha_smem.load(rows_o)[:, None]
-            acc = warpgroup_mma(p_smem, kv_hi.index(stage), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(p_free, count=1)
-            mbarrier.arrive(kv_free.index(stage), count=1)
-        g += gl.cdiv(n_valid, BLOCK_N)
-        mbarrier.wait(done, local & 1)
-        l_row = l_smem.load(rows_o)
-        mbarrier.arrive(done_free, count=1)
-        _store_half(OUT, acc, l_row, t, h0, HALF, H, stride_ot, stride_oh, o_l, BLOCK_H)
+    acc = gl.zeros([BLOCK_H, HALF], gl.float32, o_l)
+    for i in range(gl.cdiv(n_valid, BLOCK_N)):
+        stage = i % NUM_STAGES
+        mbarrier.wait(p_ready, i & 1)
+        acc = acc * alpha_smem.load(rows_o)[:, None]
+        acc = warpgroup_mma(p_smem, kv_hi.index(stage), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(p_free, count=1)
+        mbarrier.arrive(kv_free.index(stage), count=1)
+    mbarrier.wait(done, 0)
+    _store_half(OUT, acc, l_smem.load(rows_o), t, h0, HALF, H, stride_ot, stride_oh, o_l, BLOCK_H)
 
 
 @gluon.jit
@@ -311,15 +239,24 @@ def _sparse_attn_fwd_ws_kernel(
     stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh,
     D_TAIL: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
     NUM_STAGES: gl.constexpr, P_IN_REGS: gl.constexpr, DENSE: gl.constexpr, GATHER_REGS: gl.constexpr,
-    RIGHT_REGS: gl.constexpr, NUM_T, HEAD_BLOCKS,
+    RIGHT_REGS: gl.constexpr,
 ):
-    """Tiles (query row, 64 heads), ``NUM_T x HEAD_BLOCKS`` of them, taken by the programs in turn: program p
-    does tiles p, p + P, ... (P programs: one per tile, or persistent, about one per SM, so that the gather loads a
-    tile's query and first blocks while the consumers finish the previous tile). Sparse (``DENSE`` False): the row's
-    keys are its index slots, up to ``topk_length`` when given. Dense causal (``kernel_causal.py``'s contract;
-    ``IDX``, ``TOPK_LEN``, ``K`` unused): query ``t = b * S + i`` sees keys ``b * N + 0 .. min(q_offset + i, N -
-    1)``, the longest rows first."""
-    n_tiles = NUM_T * HEAD_BLOCKS
+    """One program per (query row, 64 heads). Sparse (``DENSE`` False): the row's keys are its index slots, up to
+    ``topk_length`` when given. Dense causal (``kernel_causal.py``'s contract; ``IDX``, ``TOPK_LEN``, ``K`` unused):
+    query ``t = b * S + i`` sees keys ``b * N + 0 .. min(q_offset + i, N - 1)``, the longest rows launched first."""
+    h0 = gl.program_id(1) * BLOCK_H
+    if DENSE:
+        t = (gl.num_programs(0) - 1 - gl.program_id(0)).to(gl.int64)
+        seq_b = t // S
+        n_valid = gl.minimum(q_offset + (t - seq_b * S) + 1, N).to(gl.int32)
+        kv_base = KV + seq_b * N * stride_kvn
+    else:
+        t = gl.program_id(0).to(gl.int64)
+        n_valid = K
+        if HAS_TOPK_LEN:
+            n_valid = gl.minimum(gl.maximum(gl.load(TOPK_LEN + t).to(gl.int32), 0), K)
+        kv_base = KV
+    idx_row = IDX + t * stride_it
     dtype: gl.constexpr = Q.dtype.element_ty
     half_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], dtype)
     qh_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, HALF], dtype)
@@ -344,8 +281,6 @@ def _sparse_attn_fwd_ws_kernel(
 
     bar_l: gl.constexpr = mbarrier.MBarrierLayout()
     q_ready = gl.allocate_shared_memory(gl.int64, [1], bar_l)
-    q_free = gl.allocate_shared_memory(gl.int64, [1], bar_l)
-    done_free = gl.allocate_shared_memory(gl.int64, [1], bar_l)
     kv_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_l)
     kv_free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_l)
     p_ready = gl.allocate_shared_memory(gl.int64, [1], bar_l)
@@ -358,17 +293,14 @@ def _sparse_attn_fwd_ws_kernel(
     mbarrier.init(p_ready, count=1)
     mbarrier.init(p_free, count=1)
     mbarrier.init(done, count=1)
-    mbarrier.init(q_free, count=1)
-    mbarrier.init(done_free, count=1)
 
     bufs = (q_lo, q_hi, q_tail, kv_lo, kv_hi, kv_tail, p_smem, alpha_smem, l_smem)
-    bars = (q_ready, q_free, kv_ready, kv_free, p_ready, p_free, done, done_free)
-    args = (Q, KV, IDX, TOPK_LEN, K, S, q_offset, stride_qt, stride_it, NUM_T, HEAD_BLOCKS, n_tiles)
+    bars = (q_ready, kv_ready, kv_free, p_ready, p_free, done)
     gl.warp_specialize([
-        (_softmax_partition, (args, SINK, OUT, LSE, bufs, bars, H, N, qk_scale, stride_kvn, stride_ot, stride_oh,
-                              D_TAIL, BLOCK_H, BLOCK_N, NUM_STAGES, P_IN_REGS, HAS_TOPK_LEN, DENSE)),
-        (_right_half_partition, (args, OUT, bufs, bars, H, N, stride_kvn, stride_ot, stride_oh, BLOCK_H, BLOCK_N,
-                                 NUM_STAGES, HAS_TOPK_LEN, DENSE)),
-        (_gather_partition, (args, bufs, bars, H, N, stride_qh, stride_kvn, D_TAIL, BLOCK_H, BLOCK_N, NUM_STAGES,
-                             HAS_TOPK_LEN, DENSE)),
+        (_softmax_partition, (idx_row, n_valid, SINK, OUT, LSE, bufs, bars, t, h0, H, N, qk_scale, stride_ot,
+                              stride_oh, D_TAIL, BLOCK_H, BLOCK_N, NUM_STAGES, P_IN_REGS, not DENSE)),
+        (_right_half_partition, (n_valid, OUT, bufs, bars, t, h0, H, stride_ot, stride_oh, BLOCK_H, BLOCK_N,
+                                 NUM_STAGES)),
+        (_gather_partition, (Q + t * stride_qt, kv_base, idx_row, n_valid, bufs, bars, h0, H, N, stride_qh,
+                             stride_kvn, D_TAIL, BLOCK_H, BLOCK_N, NUM_STAGES, not DENSE)),
     ], [4, 4], [RIGHT_REGS, GATHER_REGS])
