@@ -1,7 +1,8 @@
 """Host cost per call of every fused op on a tiny input, against a bare Triton launch (issue 16 §4).
 
 Run on the H200 (torch + Triton, no Paddle):  python scripts/bench/bench_launch_overhead.py [--out DIR]
-[--no-compile]. Prints one table (last) and writes bench_launch_overhead.json.
+[--no-compile] [--tiny-ab] [--production]. Prints one table (again last, after the optional parts) and writes
+bench_launch_overhead.json (after each part).
 
 Host wall µs per call: N calls back to back, timed without a sync inside the loop (the device is idle long
 before the host finishes: a tiny kernel takes a few µs), then one synchronize outside the timed span; the
@@ -21,6 +22,10 @@ them: five alternating rounds of the op and the bare launch, median of each (the
   torch.compile's GPU µs per call replayed from a CUDA graph of 100 back-to-back calls (``graph_us``: no host,
   no launch gaps, stable at µs scale where ``do_bench`` is not): the goal (never slower than torch.compile:
   fused / compile ≤ 1) is judged on these.
+
+``--tiny-ab``: each op's tiny-shape launch settings (the default, the one before it, a few neighbours:
+``AB_SETTINGS``) and its ``torch.compile``, ``graph_us`` in alternating rounds (medians), outputs compared with the
+default's. ``--production``: the RoPE at the production shapes (``do_bench``), beside a device copy.
 
 The q norm and prologue rows time the training path: the forward with ``keep_r=False`` (one output; the backward
 recomputes ``r``). ``--recompute`` also prints the device µs, at the production shapes, of those forwards with
@@ -259,6 +264,7 @@ def run_case(case: dict, compile_on: bool) -> dict:
         try:
             compiled = torch.compile(case["eager"])
             compiled(), compiled()
+            case["compiled"] = compiled  # the tiny-shape A/B rounds (--tiny-ab) time it again
             row["compile_dev_us"] = device_us(compiled)
             row["compile_host_us"] = host_us(compiled)
             row["compile_graph_us"] = _guarded(graph_us, compiled, row, "compile_graph_error")
@@ -310,8 +316,10 @@ def baselines() -> dict:
     }
 
 
-def measure(compile_on: bool = True, profile_dir: str | None = None) -> tuple[dict, list[dict]]:
-    """(baselines, one row per op) with the bound launch on; also used by bench_fusions.py (one run, every row)."""
+def measure(compile_on: bool = True, profile_dir: str | None = None,
+            keep: list | None = None) -> tuple[dict, list[dict]]:
+    """(baselines, one row per op) with the bound launch on; also used by bench_fusions.py (one run, every row).
+    ``keep`` (a list): receives the cases, their ``torch.compile`` included (for :func:`tiny_ab`)."""
     launch.BOUND_LAUNCH = True  # the library default; set again in case a caller turned it off
     base = baselines()
     if not _BARE_X:
@@ -319,7 +327,130 @@ def measure(compile_on: bool = True, profile_dir: str | None = None) -> tuple[di
     if profile_dir is not None:
         with open(os.path.join(profile_dir, "profile.txt"), "w") as fh:
             fh.write("\n".join(profile_case(case) for case in cases()))
-    return base, [run_case(case, compile_on) for case in cases()]
+    ops = cases()
+    rows = [run_case(case, compile_on) for case in ops]
+    if keep is not None:
+        keep.extend(ops)
+    return base, rows
+
+
+def _setting(module, **values):
+    """A launch setting of the A/B: module attributes (TUNE entries when the name is TUNE), then fresh plans."""
+    def apply() -> dict:
+        old = {}
+        for name, value in values.items():
+            if name == "TUNE":
+                old[name] = dict(module.TUNE)
+                module.TUNE.clear()
+                module.TUNE.update(value)
+            else:
+                old[name] = getattr(module, name)
+                setattr(module, name, value)
+        launch.clear_plans()
+        return old
+    return apply
+
+
+def _restore(module, old: dict) -> None:
+    for name, value in old.items():
+        if name == "TUNE":
+            module.TUNE.clear()
+            module.TUNE.update(value)
+        else:
+            setattr(module, name, value)
+    launch.clear_plans()
+
+
+# The tiny-shape launch settings (issue 16 §4: never slower than torch.compile), each op's new default first, then
+# the settings before it ("old") and a few neighbours: (op, label, module, attributes).
+AB_SETTINGS = [
+    ("rope out of place", "split (default)", rope, {}),
+    ("rope out of place", "old: no split", rope, {"TINY_SPLIT": False}),
+    ("rope out of place", "split, 2 warps", rope, {"TUNE": {"split_warps": 2}}),
+    ("rope out of place", "split, 4 rows, 2 warps", rope, {"TUNE": {"split_rows": 4, "split_warps": 2}}),
+    ("rope out of place", "split, 16 rows", rope, {"TUNE": {"split_rows": 16}}),
+    ("sink grad", "one step (default)", sink, {}),
+    ("sink grad", "old: one token a step", sink, {"TINY_ONE_STEP": False}),
+    ("q rms norm fwd", "2 rows, 2 warps (default)", q_norm, {}),
+    ("q rms norm fwd", "old: 4 rows, 2 warps", q_norm, {"FWD_TINY": False}),
+    ("q rms norm fwd", "1 row, 1 warp", q_norm, {"FWD_TINY": False, "TUNE": {"fwd_rows": 1, "fwd_warps": 1}}),
+    ("kv remap", "4 KiB a program (default)", remap, {}),
+    ("kv remap", "2 KiB a program", remap, {"TUNE": {"flat_block_bytes": 2048}}),
+    ("kv remap", "1 KiB a program", remap, {"TUNE": {"flat_block_bytes": 1024}}),
+    ("kv remap", "512 B a program", remap, {"TUNE": {"flat_block_bytes": 512}}),
+    ("kv remap", "1 KiB, 2 warps", remap, {"TUNE": {"flat_block_bytes": 1024, "flat_num_warps": 2}}),
+]
+
+
+def tiny_ab(by_name: dict, rounds: int = 5) -> list[dict]:
+    """Graph-replay GPU µs per call (:func:`graph_us`) of each setting of ``AB_SETTINGS`` and of the op's
+    ``torch.compile``, in ``rounds`` alternating rounds (every setting once a round: the device's drift is shared);
+    the median per setting, its outputs byte-compared with the default's."""
+    times: dict[tuple[str, str], list[float]] = {}
+    same: dict[tuple[str, str], bool] = {}
+    errors: dict[tuple[str, str], str] = {}
+    for _ in range(rounds):
+        for op, label, module, values in AB_SETTINGS:
+            case = by_name[op]
+            old = _setting(module, **values)()
+            try:
+                case.get("reset", lambda: None)()
+                out = _outputs(case["fused"]())
+                us = graph_us(case["fused"])
+                times.setdefault((op, label), []).append(us)
+            except Exception as exc:  # noqa: BLE001  report, do not hide; the other settings still run
+                errors[(op, label)] = f"{type(exc).__name__}: {exc}"[:200]
+                torch.cuda.synchronize()
+                continue
+            finally:
+                _restore(module, old)
+            case.get("reset", lambda: None)()
+            ref = _outputs(case["fused"]())
+            same[(op, label)] = same.get((op, label), True) and all(torch.equal(a, b) for a, b in zip(out, ref))
+        for op in dict.fromkeys(a[0] for a in AB_SETTINGS):
+            if by_name[op].get("compiled") is not None:
+                times.setdefault((op, "torch.compile"), []).append(graph_us(by_name[op]["compiled"]))
+    rows = []
+    for (op, label), values in times.items():
+        rows.append(dict(op=op, setting=label, graph_us=statistics.median(values), rounds=values,
+                         same=same.get((op, label))))
+    rows += [dict(op=op, setting=label, graph_us=float("nan"), rounds=[], same=None, error=error)
+             for (op, label), error in errors.items() if (op, label) not in times]
+    for row in rows:
+        compile_us = next((r["graph_us"] for r in rows if r["op"] == row["op"] and r["setting"] == "torch.compile"),
+                          None)
+        row["vs_compile"] = None if compile_us is None else row["graph_us"] / compile_us
+    return rows
+
+
+def print_ab(rows: list[dict]) -> None:
+    print(f"{'tiny-shape A/B (graph us, median)':34} {'setting':28} {'graph us':>8} {'x compile':>9} same  rounds")
+    for r in rows:
+        ratio = "n/a" if r["vs_compile"] is None else f"{r['vs_compile']:.3f}"
+        print(f"{r['op']:34} {r['setting']:28} {r['graph_us']:8.3f} {ratio:>9} {str(r['same']):5} "
+              + " ".join(f"{v:.3f}" for v in r["rounds"]) + (f" ERROR {r['error']}" if r.get("error") else ""))
+
+
+def production_rope_us() -> list[dict]:
+    """``do_bench`` medians of the RoPE at the production shapes (q [1, 16384, 64, 512], kv [1, 16384, 512], bf16,
+    pe 64; large inputs: never the tiny launch) and of a device copy of q: the large-input path after a change to
+    the kernel's index arithmetic (compare with benchmarks/RESULTS.md's table of fused ops)."""
+    seq = 16384
+    pos = torch.arange(seq, dtype=torch.float64, device="cuda")[:, None]
+    angles = pos / (10000.0 ** (torch.arange(HALF, dtype=torch.float64, device="cuda") / HALF))
+    cos, sin = torch.cos(angles).float(), torch.sin(angles).float()
+    q = torch.randn(1, seq, 64, D, device="cuda").to(torch.bfloat16)
+    kv = torch.randn(1, seq, D, device="cuda").to(torch.bfloat16)
+    q_work, kv_work = q.clone(), kv.clone()
+    rows = [dict(name="device copy of q", us=device_us(lambda: q.clone()))]
+    for name, fn, want in (("rope q out of place", lambda: rope.rope(q, cos, sin), lambda: eager_rope(q, cos, sin)),
+                           ("rope q in place", lambda: rope.rope_(q_work, cos, sin), None),
+                           ("rope kv out of place", lambda: rope.rope(kv, cos, sin),
+                            lambda: eager_rope(kv, cos, sin)),
+                           ("rope kv in place", lambda: rope.rope_(kv_work, cos, sin), None)):
+        same = None if want is None else torch.equal(fn(), want())
+        rows.append(dict(name=name, us=device_us(fn), same=same))
+    return rows
 
 
 def recompute_device_us(seq: int = 16384) -> list[dict]:
@@ -364,15 +495,15 @@ def print_table(base: dict, rows: list[dict]) -> None:
     print(f"{'op':27} {'host us':>7} {'bare':>5} {'unbound':>7} {'sync':>6} {'x bare':>6} {'same':>5} {'dev us':>6} "
           f"{'eager':>6} {'compile':>7} {'cmp host':>8} {'graph':>6} {'cmp graph':>9}  goals")
 
-    def fmt(v: float | None, width: int) -> str:
-        return f"{'n/a':>{width}}" if v is None else f"{v:{width}.1f}"
+    def fmt(v: float | None, width: int, digits: int = 1) -> str:
+        return f"{'n/a':>{width}}" if v is None else f"{v:{width}.{digits}f}"
 
     for r in rows:
         print(f"{r['name']:27} {r['host_us']:7.1f} {r['bare_us']:5.1f} {r['host_unbound_us']:7.1f} "
               f"{r['host_sync_us']:6.1f} "
               f"{r['ratio']:6.2f} {str(r['same']):>5} {r['fused_dev_us']:6.1f} {r['eager_dev_us']:6.1f} "
-              f"{fmt(r['compile_dev_us'], 7)} {fmt(r['compile_host_us'], 8)} {fmt(r.get('fused_graph_us'), 6)} "
-              f"{fmt(r.get('compile_graph_us'), 9)}  host: {r['goal']}; "
+              f"{fmt(r['compile_dev_us'], 7)} {fmt(r['compile_host_us'], 8)} {fmt(r.get('fused_graph_us'), 6, 2)} "
+              f"{fmt(r.get('compile_graph_us'), 9, 2)}  host: {r['goal']}; "
               f"device: {r.get('vs_compile', r.get('compile_error', r.get('compile_graph_error', 'n/a')))}")
 
 
@@ -383,23 +514,43 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="also write a cProfile of each op (profile.txt)")
     parser.add_argument("--recompute", action="store_true",
                         help="also time the norms' forwards with / without r and backwards reading / recomputing it")
+    parser.add_argument("--tiny-ab", action="store_true",
+                        help="also time each tiny-shape launch setting (new default, the one before, neighbours) "
+                             "against torch.compile by CUDA-graph replay, in alternating rounds")
+    parser.add_argument("--production", action="store_true",
+                        help="also time the RoPE at the production shapes (do_bench) and a device copy of q")
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
     print(f"{props.name}, torch {torch.__version__}, triton {triton.__version__}; tiny shapes: q [{B},{S},{H},{D}] "
           f"bf16, pe {2 * HALF}, kv [{B},{S},{D}], remap [{B},{S},640] int32")
-    base, rows = measure(not args.no_compile, args.out if args.profile else None)
-    recompute = []
-    if args.recompute:
-        try:
-            recompute = recompute_device_us()
-        except Exception as exc:  # report, do not hide; the main table still prints
-            print(f"--recompute failed: {type(exc).__name__}: {exc}")
-    with open(os.path.join(args.out, "bench_launch_overhead.json"), "w") as fh:
-        json.dump({"gpu": props.name, "baselines_us": base, "rows": rows, "recompute_device_us": recompute}, fh,
-                  indent=1)
-    if recompute:
-        print_recompute(recompute)
+    ops: list[dict] = []
+    base, rows = measure(not args.no_compile, args.out if args.profile else None, ops)
+    result = {"gpu": props.name, "baselines_us": base, "rows": rows, "recompute_device_us": [], "tiny_ab": [],
+              "production_rope_us": []}
+
+    def save() -> None:  # after each part: a run cut short keeps what it measured
+        with open(os.path.join(args.out, "bench_launch_overhead.json"), "w") as fh:
+            json.dump(result, fh, indent=1)
+
+    save()
     print_table(base, rows)
+    extras = [("tiny_ab", args.tiny_ab, lambda: tiny_ab({case["name"]: case for case in ops})),
+              ("production_rope_us", args.production, production_rope_us),
+              ("recompute_device_us", args.recompute, recompute_device_us)]
+    for key, wanted, run in extras:
+        if wanted:
+            try:
+                result[key] = run()
+            except Exception as exc:  # report, do not hide; the main table still prints
+                print(f"{key} failed: {type(exc).__name__}: {exc}")
+            save()
+    if result["recompute_device_us"]:
+        print_recompute(result["recompute_device_us"])
+    for r in result["production_rope_us"]:
+        print(f"production {r['name']:28} {r['us']:9.1f} us  same as eager: {r.get('same')}")
+    if result["tiny_ab"]:
+        print_ab(result["tiny_ab"])
+    print_table(base, rows)  # again, last
 
 
 if __name__ == "__main__":

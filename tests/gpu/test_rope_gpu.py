@@ -213,9 +213,11 @@ def _production_ptx(kernel, dtype: str, use_ptx: bool) -> str:
 
     fn = kernel._rope_kernel
     names = list(inspect.signature(fn.fn).parameters)
+    blocks = dict(kernel._plan(16384 * 64, 512, 32, 0, True))
+    assert blocks.pop("NCOPY") == 0 and not blocks["SPLIT"]  # a large input: one program per row block
     consts = dict(COPY_START=0, NOPE=448, SHIFT=0, HALF=32, INVERSE=True, ZERO_FIX=dtype == "bf16",
-                  DOWNCAST=dtype == "bf16", USE_PTX=use_ptx, x_sd=1, o_sd=1, c_sk=1, n_sk=1,
-                  **kernel._plan(16384 * 64, 512, 32, 0, True))
+                  DOWNCAST=dtype == "bf16", USE_PTX=use_ptx, FLAT=True, WIDE=False, ONE_BATCH=True, HEADS_LOG2=6,
+                  x_sd=1, o_sd=1, c_sk=1, n_sk=1, **blocks)
     ptrs = {"x_ptr": "*" + dtype, "out_ptr": "*" + dtype, "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
     sig = {n: ptrs.get(n, "constexpr" if n in consts else "i32") for n in names}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_bitwise, assert_close
+from helpers import assert_bitwise, assert_close, expect_launches
 from helpers import oracles as orc
 from helpers.gpu import CUDA_ONLY
 
@@ -108,3 +108,28 @@ def test_empty_rows_contribute_zero(kernel):
     d_out = torch.randn(shape, device=DEVICE).to(torch.bfloat16)
     lse = sink.expand(2, 64, 8).contiguous()
     assert torch.equal(kernel.sink_grad(d_out, out, lse, sink), torch.zeros(8, device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 4, 8, 512), (2, 2, 4, 512), (2, 3, 2, 1000)])
+def test_small_input_in_one_step_has_the_bits_of_one_token_a_step(kernel, shape, dtype):
+    """A small input takes all its tokens in one step ([heads, tokens, d], tokens added in order): byte-identical
+    to one token a step (``TINY_ONE_STEP`` off), with and without d_lse, and within the oracle's bound."""
+    from fleet_ext.ops import launch
+
+    d_out, out, lse, sink, d_lse = make(shape, dtype, seed=sum(shape), with_dlse=True)
+    got = {}
+    try:
+        for one_step in (True, False):
+            kernel.TINY_ONE_STEP = one_step
+            launch.clear_plans()
+            assert kernel.config(shape[0] * shape[1], shape[2], shape[3]).get("IN_ORDER", False) == one_step
+            with expect_launches("_sink_grad_partial_kernel", exactly=2):
+                got[one_step] = [kernel.sink_grad(d_out, out, lse, sink, d_lse=dl) for dl in (None, d_lse)]
+    finally:
+        kernel.TINY_ONE_STEP = True
+        launch.clear_plans()
+    for i, dl in enumerate((None, d_lse)):
+        assert_bitwise(got[True][i], got[False][i], f"one step vs one token a step, d_lse {dl is not None}")
+        want, scale = oracle(d_out, out, lse, sink, dl)
+        assert_within(got[True][i], want, scale, "one step vs oracle")

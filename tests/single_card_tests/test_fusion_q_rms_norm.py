@@ -277,23 +277,31 @@ def test_the_two_warp_trees_differ():
 
 @pytest.mark.parametrize("lead, d", [((1, 5, 8), 512), ((2, 3, 3), 576), ((1, 17, 1), 64), ((2, 9, 4), 4096)])
 def test_gpu_block_sizes_in_the_interpreter(monkeypatch, lead, d):
-    """The GPU launch geometry (one-pass rows per program, or the streamed path's 256-column steps) gives
-    the same bits as the interpreter's."""
+    """The GPU launch geometry (one-pass rows per program, or the streamed path's 256-column steps; for these few
+    rows the forward's ``FWD_TINY_ROWS``, and without ``FWD_TINY`` the default) gives the same bits as the
+    interpreter's."""
     monkeypatch.setattr(kernel, "is_interpreted", lambda: False)
     rng = np.random.default_rng(d + 1)
     x = rng.standard_normal(lead + (d,)).astype(F32)
     g = rng.standard_normal(lead + (d,)).astype(F32)
     rows = int(np.prod(lead))
     order = kernel.torch_cuda_order(rows, d)
-    cfg = kernel._config(d, order)
+    cfg, tiny = kernel._config(d, order), kernel._config(d, order, rows=rows)
     chunk = order.lanes * 4
     if cfg["ONE_PASS"]:
         assert cfg["BLOCK_R"] == max(1, kernel.FWD_ROWS * 128 // chunk)
+        assert (tiny["BLOCK_R"], tiny["num_warps"]) == (max(1, kernel.FWD_TINY_ROWS * 128 // chunk), cfg["num_warps"])
+        assert tiny["BLOCK_R"] < cfg["BLOCK_R"] or cfg["BLOCK_R"] == 1
     else:
         assert -(-d // chunk) > kernel.MAX_TILES and cfg["BLOCK_R"] == 2048 // chunk and cfg["BLOCK_D"] == 256
+        assert tiny == cfg
     xt = torch.from_numpy(x)
     y, r = kernel.q_rms_norm_fused(xt, EPS, order)
     dx = kernel.q_rms_norm_bwd(torch.from_numpy(g), xt, r, order)
+    monkeypatch.setattr(kernel, "FWD_TINY", False)
+    y_default, r_default = kernel.q_rms_norm_fused(xt, EPS, order)
+    assert_bitwise(y_default.numpy(), y.numpy(), "y, default geometry")
+    assert_bitwise(r_default.numpy(), r.numpy(), "r, default geometry")
     monkeypatch.undo()
     y2, r2 = kernel.q_rms_norm_fused(xt, EPS, order)
     dx2 = kernel.q_rms_norm_bwd(torch.from_numpy(g), xt, r2, order)

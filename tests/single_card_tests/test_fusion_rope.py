@@ -188,6 +188,40 @@ def test_kernel_gradient_and_tail_launchers():
         kernel.rope_tail(paddle.to_tensor(x_np), cos, sin, 17)
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["int32_index", "int64_index"])
+def test_gpu_tiling_for_small_inputs_gives_the_same_bits(monkeypatch, wide):
+    """The GPU's small-input launch (one program per pass-through block or rotation, grid axis 1; uniformly
+    strided rows without index division; int32 index arithmetic, or int64 where an offset could pass 2**31)
+    run in the interpreter: every entry point bitwise the reference, contiguous and strided."""
+    from fleet_ext.ops import launch
+
+    gpu_plan = kernel._plan.__wrapped__
+    monkeypatch.setattr(kernel, "_plan", lambda total, d, half, start, use_ptx, split: gpu_plan(
+        total, d, half, start, True, split))
+    if wide:  # as if a tensor spanned more than 2**31 elements
+        monkeypatch.setattr(kernel, "_extent", lambda shape, strides, rows: 2**31)
+    launch.clear_plans()
+    cos, sin = _tables(2, 5, 8, per_batch=True)
+    x_np, g_np = _data((2, 5, 3, 40)), _data((2, 5, 3, 40), seed=4)
+    strided = paddle.to_tensor(np.ascontiguousarray(x_np.transpose(0, 2, 1, 3))).transpose([0, 2, 1, 3])
+    try:
+        for x in (paddle.to_tensor(x_np), strided):
+            want = reference.apply_partial_rope(paddle.to_tensor(x_np), cos, sin, inverse=True).numpy()
+            with expect_launches(KERNEL, exactly=4):
+                assert_bitwise(kernel.rope(x, cos, sin, inverse=True), want, "rope")
+                _, want_g = _fwd_bwd(reference.apply_partial_rope, x_np, cos, sin, False, g_np)
+                assert_bitwise(kernel.rope_grad(paddle.to_tensor(g_np), cos, sin), want_g, "rope_grad")
+                assert_bitwise(kernel.rope_tail(x, cos, sin, 8, inverse=True), want[..., 8:], "rope_tail")
+                work = paddle.to_tensor(x_np)
+                assert_bitwise(kernel.rope_(work, cos, sin, inverse=True), want, "rope_")
+        plans = list(kernel._PLANS.values())
+        split = [p for p in plans if p.meta["SPLIT"]]
+        assert len(split) == 5 and all(p.grid[1] == 2 for p in split)  # 24 pass-through channels: one block
+        assert {p.meta["FLAT"] for p in split} == {True, False} and {p.meta["WIDE"] for p in plans} == {wide}
+    finally:
+        launch.clear_plans()
+
+
 def test_interpreted_kernel_uses_plain_arithmetic_and_a_gpu_build_uses_ptx():
     assert capability.detect().interpreter and kernel.USE_PTX is False
     for fn, op in ((kernel._mul_rn, "mul"), (kernel._add_rn, "add"), (kernel._sub_rn, "sub")):

@@ -284,3 +284,31 @@ def test_gpu_launch_geometry_in_the_interpreter(monkeypatch):
     assert_bitwise(got, again, "two runs")
     exact, scale = oracle_d_sink(*arrays, d_lse)
     assert_within(got.numpy(), exact, scale, "GPU geometry")
+
+
+@pytest.mark.parametrize("shape", [(1, 3, 8, 256), (2, 2, 5, 300)])
+def test_gpu_small_input_takes_all_tokens_in_one_step_with_the_same_bits(monkeypatch, shape):
+    """The GPU's small-input launch ([heads, tokens, d] in one step, tokens added in order) gives the bits of one
+    token per step (the GPU tests check the same on the H200), and holds to the oracle."""
+    from fleet_ext.ops import launch
+
+    monkeypatch.setattr(kernel, "is_interpreted", lambda: False)
+    rng = np.random.default_rng(17)
+    arrays = make_case(rng, shape)
+    arrays[0][..., :3] = 0.0  # -0.0 and +0.0 terms among the others
+    arrays[1][..., :3] = -1.0
+    d_lse = rng.standard_normal(shape[:3]).astype(F32)
+    got = {}
+    try:
+        for one_step in (True, False):
+            monkeypatch.setattr(kernel, "TINY_ONE_STEP", one_step)
+            launch.clear_plans()
+            assert kernel.config(shape[0] * shape[1], shape[2], shape[3]).get("IN_ORDER", False) == one_step
+            with expect_launches(PARTIAL, exactly=2), expect_launches(REDUCE, exactly=0):
+                got[one_step] = [kernel.sink_grad(*to_pd(*arrays), d_lse=dl) for dl in (None, paddle.to_tensor(d_lse))]
+    finally:
+        launch.clear_plans()
+    for i, dl in enumerate((None, d_lse)):
+        assert_bitwise(got[True][i], got[False][i], f"one step vs one token a step, d_lse {dl is not None}")
+        exact, scale = oracle_d_sink(*arrays, dl)
+        assert_within(got[True][i].numpy(), exact, scale, "one step")

@@ -144,6 +144,14 @@ FWD_ROWS, FWD_WARPS = 4, 2
 BWD_ROWS, BWD_WARPS = 4, 2
 STREAM = False  # evict-first loads / streaming stores in the one-pass kernels
 TUNE: dict = {}
+# A one-pass forward with fewer row blocks than SMs (a tiny input, latency-bound) takes FWD_TINY_ROWS rows (per
+# 128-column chunk) a program instead of FWD_ROWS, at the same warps: more programs, each with less dependent work
+# (q [1, 4, 8, 512] on the H200: 1.30 us per call in a CUDA graph against 1.36 with 4 rows and 1.38 with 1 row in
+# 1 warp; torch.compile 1.33). The result does not depend on the tiling (the summation order is the Order's).
+# benchmarks/RESULTS.md, "Tiny shapes against torch.compile".
+FWD_TINY = True
+FWD_TINY_ROWS = 2
+_SMS = 132  # an H200's SMs: fewer row blocks than this leave SMs idle (the threshold, not a launch limit)
 
 
 def _one_pass(d: int, order: Order, phase: int = PHASE_FUSED) -> bool:
@@ -160,7 +168,7 @@ def _row_stride(shape: list[int], strides: list[int]) -> int | None:
     return step
 
 
-def _config(d: int, order: Order, backward: bool = False, phase: int = PHASE_FUSED) -> dict:
+def _config(d: int, order: Order, backward: bool = False, phase: int = PHASE_FUSED, rows: int | None = None) -> dict:
     chunk = order.lanes * order.nacc
     one_pass = _one_pass(d, order, PHASE_FUSED if backward else phase)
     if is_interpreted():  # numpy per op: few, large programs
@@ -171,6 +179,8 @@ def _config(d: int, order: Order, backward: bool = False, phase: int = PHASE_FUS
         rows_128 = int(TUNE.get("bwd_rows" if backward else "fwd_rows", BWD_ROWS if backward else FWD_ROWS))
         warps = int(TUNE.get("bwd_warps" if backward else "fwd_warps", BWD_WARPS if backward else FWD_WARPS))
         block_r = max(1, min(64, rows_128 * 128 // chunk))
+        if FWD_TINY and not backward and rows is not None and triton.cdiv(rows, block_r) < _SMS:
+            block_r = max(1, min(64, FWD_TINY_ROWS * 128 // chunk))
         block_d = min(triton.next_power_of_2(d), 256)
     else:  # ~2048 fp32 accumulators per program (16 per thread at 4 warps), 16-byte loads
         block_r = max(1, min(64, 2048 // chunk))
@@ -189,7 +199,7 @@ _BWD_PLANS = plan_cache("q_rms_norm (backward)")
 def _tuning() -> tuple:
     """The module-level defaults a plan depends on (the benchmark's sweep and probe change them between calls)."""
     return (FWD_ROWS, FWD_WARPS, BWD_ROWS, BWD_WARPS, STREAM, tuple(TUNE.items()) if TUNE else (), MAX_TILES,
-            kernel_order.TORCH_VEC_MIN_D, kernel_order.TORCH_WARP_HALVING, is_interpreted())
+            kernel_order.TORCH_VEC_MIN_D, kernel_order.TORCH_WARP_HALVING, is_interpreted(), FWD_TINY, FWD_TINY_ROWS)
 
 
 def recomputes_r(d: int, order: Order) -> bool:
@@ -213,7 +223,7 @@ def _prepare_fwd(key: tuple, q: Any, r: Any, phase: int, order: Order | None, ep
     rows = b * s * h
     if rows == 0 or d == 0:
         return _FWD_PLANS.add(key, Plan(None, info=info))
-    cfg = _config(d, order, phase=phase)
+    cfg = _config(d, order, phase=phase, rows=rows)
     s_b, s_s, s_h, s_d = strides_of(q)
     step = _row_stride(shape_of(q), strides_of(q))
     meta = dict(D=d, PHASE=phase, FLAVOR=order.flavor, DOWNCAST=dtype_name(q) != "float32",

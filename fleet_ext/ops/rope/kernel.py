@@ -19,7 +19,10 @@ so the result is bitwise equal to eager:
 
 Layout: ``x`` is [b, s, h, d] or [b, s, d] with any strides; ``cos``/``sin`` are fp32 [s, rd/2] or
 [b|1, s, rd/2]; the rotated channels are the trailing ``rd = 2 * cos.shape[-1]`` ones, pairs (2i, 2i+1)
-of that slice. One program handles a block of consecutive (batch, position, head) vectors.
+of that slice. One program handles a block of consecutive (batch, position, head) vectors; on a GPU, for a small
+input, one block of their pass-through channels or their rotation (a second grid axis), so that no program walks
+the pass-through in dependent steps (the launch is latency-bound there, not bandwidth-bound). The bits do not
+depend on the tiling: every element is computed by the same operations whichever program holds it.
 """
 
 from __future__ import annotations
@@ -49,6 +52,73 @@ _FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
 @triton.jit
+def _split_heads(m, H, HEADS_LOG2: tl.constexpr):
+    """``(m // H, m % H)`` of the flat (batch, position, head) index: a shift and a mask when H = 2**HEADS_LOG2
+    (HEADS_LOG2 >= 0; a run-time division takes ~20 dependent instructions before the table loads)."""
+    if HEADS_LOG2 >= 0:
+        row = m >> HEADS_LOG2
+        head = m & ((1 << HEADS_LOG2) - 1)
+    else:
+        row = m // H
+        head = m - row * H
+    return row, head
+
+
+@triton.jit
+def _copy_step(x_vec, o_vec, m_mask, n0, x_sd, o_sd, NOPE: tl.constexpr, SHIFT: tl.constexpr,
+               BLOCK_N: tl.constexpr, ZERO_FIX: tl.constexpr, USE_PTX: tl.constexpr):
+    """Pass-through channels ``n0 .. n0 + BLOCK_N`` (below NOPE) of each vector, copied to ``n - SHIFT``."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    mask = m_mask[:, None] & (n < NOPE)[None, :]
+    v = tl.load(x_vec + n[None, :] * x_sd, mask=mask)
+    if ZERO_FIX:
+        v = _plus_zero(v, USE_PTX)  # exact, so the plain narrowing below is too
+    tl.store(o_vec + (n - SHIFT)[None, :] * o_sd, v.to(o_vec.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotate(
+    x_vec, o_vec, cos_ptr, sin_ptr, m, m_mask, S, H, x_sd, o_sd, c_sb, c_ss, c_sk, n_sb, n_ss, n_sk,
+    NOPE: tl.constexpr, SHIFT: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    INVERSE: tl.constexpr, ZERO_FIX: tl.constexpr, DOWNCAST: tl.constexpr, USE_PTX: tl.constexpr,
+    ONE_BATCH: tl.constexpr, HEADS_LOG2: tl.constexpr,
+):
+    """The trailing 2 * HALF channels of each vector, rotated by its position's cos/sin, stored at NOPE - SHIFT on.
+
+    The vector's own loads do not wait for the table's index (a shift or a division, one more without ONE_BATCH)."""
+    ch = tl.arange(0, 2 * BLOCK_K)
+    mask = m_mask[:, None] & (ch < 2 * HALF)[None, :]
+    pairs = tl.load(x_vec + (NOPE + ch)[None, :] * x_sd, mask=mask, other=0.0).to(tl.float32)
+    row, _ = _split_heads(m, H, HEADS_LOG2)
+    if ONE_BATCH:  # b = 0: the position is the row
+        b = row * 0
+        s = row
+    else:
+        b = row // S
+        s = row - b * S
+    k = tl.arange(0, BLOCK_K)
+    k_mask = m_mask[:, None] & (k < HALF)[None, :]
+    cos = tl.load(cos_ptr + (b * c_sb + s * c_ss)[:, None] + (k * c_sk)[None, :], mask=k_mask, other=0.0)
+    sin = tl.load(sin_ptr + (b * n_sb + s * n_ss)[:, None] + (k * n_sk)[None, :], mask=k_mask, other=0.0)
+    cos = cos.to(tl.float32)
+    sin = sin.to(tl.float32)
+    if INVERSE:
+        sin = -sin
+    even, odd = tl.split(tl.reshape(pairs, (BLOCK_M, BLOCK_K, 2)))
+    rot_even = _sub_rn(_mul_rn(even, cos, USE_PTX), _mul_rn(odd, sin, USE_PTX), USE_PTX)
+    rot_odd = _add_rn(_mul_rn(odd, cos, USE_PTX), _mul_rn(even, sin, USE_PTX), USE_PTX)
+    rotated = tl.reshape(tl.join(rot_even, rot_odd), (BLOCK_M, 2 * BLOCK_K))
+    out_dtype = o_vec.dtype.element_ty
+    if DOWNCAST:  # fp32 -> bf16/fp16 round to nearest even, as eager's cast
+        rotated = rotated.to(out_dtype, fp_downcast_rounding="rtne")
+    else:
+        rotated = rotated.to(out_dtype)
+    if ZERO_FIX:  # after the narrowing: a tiny negative may round to -0.0 in bf16, which autograd's add fixes
+        rotated = _plus_zero(rotated, USE_PTX).to(out_dtype)
+    tl.store(o_vec + (NOPE - SHIFT + ch)[None, :] * o_sd, rotated, mask=mask)
+
+
+@triton.jit
 def _rope_kernel(
     x_ptr, out_ptr, cos_ptr, sin_ptr,
     TOTAL, S, H,
@@ -59,52 +129,46 @@ def _rope_kernel(
     COPY_START: tl.constexpr, NOPE: tl.constexpr, SHIFT: tl.constexpr,
     HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
     INVERSE: tl.constexpr, ZERO_FIX: tl.constexpr, DOWNCAST: tl.constexpr, USE_PTX: tl.constexpr,
+    SPLIT: tl.constexpr, FLAT: tl.constexpr, WIDE: tl.constexpr, ONE_BATCH: tl.constexpr, HEADS_LOG2: tl.constexpr,
 ):
     """out[..., c - SHIFT] = x[..., c] for c in [COPY_START, NOPE); rotated x[..., NOPE:] at NOPE - SHIFT on.
 
-    Each program takes BLOCK_M consecutive (batch, position, head) vectors of the flattened index space.
+    Each program takes BLOCK_M consecutive (batch, position, head) vectors of the flattened index space: all
+    their channels, or (SPLIT, small inputs) one BLOCK_N block of pass-through channels each along grid axis 1
+    and the rotation for the last index, so no program walks a chain of dependent copy steps. FLAT: x's and
+    out's vectors are uniformly strided (x_sh / o_sh hold the step), no index division for them. Index
+    arithmetic in int32 unless WIDE (an offset may pass 2**31). Every element's value is computed the same way
+    whatever the tiling.
     """
-    m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_mask = m < TOTAL
-    head = m % H
-    row = m // H
-    b = row // S
-    s = row % S
-    x_vec = x_ptr + (b * x_sb + s * x_ss + head * x_sh)[:, None]
-    o_vec = out_ptr + (b * o_sb + s * o_ss + head * o_sh)[:, None]
-    out_dtype = out_ptr.dtype.element_ty
-
-    # Pass-through channels (an out-of-place copy; empty range in place and for the bare pe slice).
-    for n0 in range(COPY_START, NOPE, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        mask = m_mask[:, None] & (n < NOPE)[None, :]
-        v = tl.load(x_vec + n[None, :] * x_sd, mask=mask)
-        if ZERO_FIX:
-            v = _plus_zero(v, USE_PTX)  # exact, so the plain narrowing below is too
-        tl.store(o_vec + (n - SHIFT)[None, :] * o_sd, v.to(out_dtype), mask=mask)
-
-    k = tl.arange(0, BLOCK_K)
-    k_mask = m_mask[:, None] & (k < HALF)[None, :]
-    cos = tl.load(cos_ptr + (b * c_sb + s * c_ss)[:, None] + (k * c_sk)[None, :], mask=k_mask, other=0.0)
-    sin = tl.load(sin_ptr + (b * n_sb + s * n_ss)[:, None] + (k * n_sk)[None, :], mask=k_mask, other=0.0)
-    cos = cos.to(tl.float32)
-    sin = sin.to(tl.float32)
-    if INVERSE:
-        sin = -sin
-    ch = tl.arange(0, 2 * BLOCK_K)
-    mask = m_mask[:, None] & (ch < 2 * HALF)[None, :]
-    pairs = tl.load(x_vec + (NOPE + ch)[None, :] * x_sd, mask=mask, other=0.0).to(tl.float32)
-    even, odd = tl.split(tl.reshape(pairs, (BLOCK_M, BLOCK_K, 2)))
-    rot_even = _sub_rn(_mul_rn(even, cos, USE_PTX), _mul_rn(odd, sin, USE_PTX), USE_PTX)
-    rot_odd = _add_rn(_mul_rn(odd, cos, USE_PTX), _mul_rn(even, sin, USE_PTX), USE_PTX)
-    rotated = tl.reshape(tl.join(rot_even, rot_odd), (BLOCK_M, 2 * BLOCK_K))
-    if DOWNCAST:  # fp32 -> bf16/fp16 round to nearest even, as eager's cast
-        rotated = rotated.to(out_dtype, fp_downcast_rounding="rtne")
+    if WIDE:
+        m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     else:
-        rotated = rotated.to(out_dtype)
-    if ZERO_FIX:  # after the narrowing: a tiny negative may round to -0.0 in bf16, which autograd's add fixes
-        rotated = _plus_zero(rotated, USE_PTX).to(out_dtype)
-    tl.store(o_vec + (NOPE - SHIFT + ch)[None, :] * o_sd, rotated, mask=mask)
+        m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = m < TOTAL
+    if FLAT:
+        x_vec = x_ptr + (m * x_sh)[:, None]
+        o_vec = out_ptr + (m * o_sh)[:, None]
+    else:
+        row, head = _split_heads(m, H, HEADS_LOG2)
+        b = row // S
+        s = row - b * S
+        x_vec = x_ptr + (b * x_sb + s * x_ss + head * x_sh)[:, None]
+        o_vec = out_ptr + (b * o_sb + s * o_ss + head * o_sh)[:, None]
+    if SPLIT:
+        part = tl.program_id(1)
+        if part * BLOCK_N < NOPE - COPY_START:  # a pass-through block
+            _copy_step(x_vec, o_vec, m_mask, COPY_START + part * BLOCK_N, x_sd, o_sd, NOPE, SHIFT, BLOCK_N,
+                       ZERO_FIX, USE_PTX)
+        else:  # the last index along axis 1: the rotation
+            _rotate(x_vec, o_vec, cos_ptr, sin_ptr, m, m_mask, S, H, x_sd, o_sd, c_sb, c_ss, c_sk, n_sb, n_ss,
+                    n_sk, NOPE, SHIFT, HALF, BLOCK_M, BLOCK_K, INVERSE, ZERO_FIX, DOWNCAST, USE_PTX, ONE_BATCH,
+                    HEADS_LOG2)
+    else:
+        # Pass-through channels (an out-of-place copy; empty range in place and for the bare pe slice).
+        for n0 in range(COPY_START, NOPE, BLOCK_N):
+            _copy_step(x_vec, o_vec, m_mask, n0, x_sd, o_sd, NOPE, SHIFT, BLOCK_N, ZERO_FIX, USE_PTX)
+        _rotate(x_vec, o_vec, cos_ptr, sin_ptr, m, m_mask, S, H, x_sd, o_sd, c_sb, c_ss, c_sk, n_sb, n_ss, n_sk,
+                NOPE, SHIFT, HALF, BLOCK_M, BLOCK_K, INVERSE, ZERO_FIX, DOWNCAST, USE_PTX, ONE_BATCH, HEADS_LOG2)
 
 
 # The interpreter runs numpy (one rounding per op, no contraction, no inline asm); a compiled kernel
@@ -161,9 +225,20 @@ def _pow2_floor(n: int) -> int:
     return 1 << (max(int(n), 1).bit_length() - 1)
 
 
+# Small inputs (fewer than ~4 programs per SM at the smallest row block): each program copies one BLOCK_N block of
+# the pass-through channels or rotates, along a second grid axis, instead of walking the pass-through in dependent
+# copy steps before the rotation (q [1, 4, 8, 512], pe 64: 7 steps; benchmarks/RESULTS.md, "Tiny shapes against
+# torch.compile"). The benchmark turns it off (then ``launch.clear_plans()``) to time both.
+TINY_SPLIT = True
+_FEW_PROGRAMS = 4 * 132
+TUNE: dict = {}  # the benchmark's sweep of the split launch: "split_rows" (BLOCK_M), "split_warps"
+
+
 @functools.lru_cache(maxsize=1024)
-def _plan(total: int, d: int, half: int, copy_start: int, use_ptx: bool) -> dict[str, int]:
-    """Block sizes for one launch (constexpr meta-parameters); cached, so callers copy it (``**``), never edit it."""
+def _plan(total: int, d: int, half: int, copy_start: int, use_ptx: bool, split: bool = True) -> dict[str, int]:
+    """Block sizes for one launch (constexpr meta-parameters); cached, so callers copy it (``**``), never edit it.
+
+    ``NCOPY``: the pass-through blocks when SPLIT (the grid's second axis is NCOPY + 1), else 0."""
     nope = d - 2 * half
     copy_width = nope - copy_start
     block_k = _pow2(half)
@@ -176,12 +251,29 @@ def _plan(total: int, d: int, half: int, copy_start: int, use_ptx: bool) -> dict
         # GPU: ~4096 elements per loop iteration (16-byte accesses for 4 warps), a few waves of programs.
         width = max(2 * block_k, block_n if copy_width > 0 else 1)
         block_m = _pow2_floor(4096 // width)
-        while block_m > 8 and triton.cdiv(total, block_m) < 4 * 132:
+        while block_m > 8 and triton.cdiv(total, block_m) < _FEW_PROGRAMS:
             block_m //= 2
     else:
         # Interpreter: numpy pays per op, not per element, so take big tiles.
         block_m = _pow2_floor((1 << 17) // (2 * block_k + (_pow2(copy_width) if copy_width > 0 else 0)))
-    return {"BLOCK_M": min(block_m, _pow2(total)), "BLOCK_K": block_k, "BLOCK_N": block_n}
+    block_m = min(block_m, _pow2(total))
+    split = split and use_ptx and copy_width > 0 and triton.cdiv(total, block_m) < _FEW_PROGRAMS
+    return {"BLOCK_M": block_m, "BLOCK_K": block_k, "BLOCK_N": block_n, "SPLIT": split,
+            "NCOPY": triton.cdiv(copy_width, block_n) if split else 0}
+
+
+def _row_step(b: int, s: int, h: int, strides: list[int]) -> int | None:
+    """The element stride between consecutive (batch, position, head) vectors when all are uniformly strided."""
+    s_b, s_s, s_h, _ = strides
+    step = s_h if h > 1 else (s_s if s > 1 else s_b)
+    if (s > 1 and s_s != step * h) or (b > 1 and s_b != step * h * s):
+        return None
+    return step
+
+
+def _extent(shape: list[int], strides: list[int], rows: int) -> int:
+    """The largest element offset of a tensor, plus ``rows`` rows (masked lanes past the end still form offsets)."""
+    return sum((max(n, 1) - 1 + rows) * abs(st) for n, st in zip(shape, strides))
 
 
 # One plan per (x, cos, sin layouts, entry point, start, inverse): the checks, the geometry and the block sizes
@@ -210,13 +302,27 @@ def _prepare(key: tuple, x: Any, cos: Any, sin: Any, fn: str, start: int, invers
     total = b * s * h
     if total == 0:
         return _PLANS.add(key, Plan(None, info=out_shape))
-    blocks = _plan(total, d, half, copy_start, USE_PTX)
+    blocks = dict(_plan(total, d, half, copy_start, USE_PTX, TINY_SPLIT))
+    warps = 4
+    if blocks["SPLIT"] and TUNE:
+        blocks["BLOCK_M"] = min(int(TUNE.get("split_rows", blocks["BLOCK_M"])), _pow2(total))
+        warps = int(TUNE.get("split_warps", warps))
+    grid = (triton.cdiv(total, blocks["BLOCK_M"]), blocks.pop("NCOPY") + 1)
+    x_step, o_step = _row_step(b, s, h, x_strides), _row_step(b, s, h, o_strides)
+    flat = x_step is not None and o_step is not None
+    tables = _table_strides(cos, b), _table_strides(sin, b)
+    rows = blocks["BLOCK_M"]
+    wide = max(_extent([b, s, h, d], x_strides, rows), _extent([b, s, h, d - shift], o_strides, rows),
+               *(_extent([b, s, half], t, rows) for t in tables), total + rows) >= 2**31
     meta = dict(COPY_START=copy_start, NOPE=nope, SHIFT=shift, HALF=half, **blocks,
                 INVERSE=bool(inverse) != (fn == _GRAD), ZERO_FIX=fn == _GRAD,
-                DOWNCAST=dtype_name(x) in ("bfloat16", "float16"), USE_PTX=USE_PTX, num_warps=4)
-    scalars = (total, s, h, *x_strides, *o_strides, *_table_strides(cos, b), *_table_strides(sin, b))
+                DOWNCAST=dtype_name(x) in ("bfloat16", "float16"), USE_PTX=USE_PTX, FLAT=flat, WIDE=wide,
+                ONE_BATCH=b == 1, HEADS_LOG2=h.bit_length() - 1 if h & (h - 1) == 0 else -1, num_warps=warps)
+    if flat:  # the row step rides in the head-stride slot
+        x_strides, o_strides = x_strides[:2] + [x_step, x_strides[3]], o_strides[:2] + [o_step, o_strides[3]]
+    scalars = (total, s, h, *x_strides, *o_strides, *tables[0], *tables[1])
     standard = shift == 0 and out_shape is not None and is_standard(x)  # the output takes x's shape and strides
-    return _PLANS.add(key, Plan((triton.cdiv(total, blocks["BLOCK_M"]),), scalars, meta, out_shape, standard))
+    return _PLANS.add(key, Plan(grid, scalars, meta, out_shape, standard))
 
 
 def _planned(x: Any, cos: Any, sin: Any, fn: str, start: int, inverse: bool) -> Plan:

@@ -6,7 +6,9 @@ module imports neither Paddle nor torch. See ``reference.py`` for the maths.
 **Deterministic, no atomics.** Stage 1 (``_sink_grad_partial_kernel``): program ``(i, j)`` owns tokens
 ``[i*TOK, (i+1)*TOK)`` of the flattened ``B*S`` axis and heads block ``j``; ``BLOCK_T`` tokens at a time
 (one on a GPU) it forms ``Delta`` over ``d`` in fp32 and adds ``p_sink * (d_lse - Delta)`` to per-(token
-slot, head) fp32 accumulators, which it sums over the slots and writes to ``partials[i, heads]``. Stage 2
+slot, head) fp32 accumulators, which it sums over the slots and writes to ``partials[i, heads]``. A small input
+on a GPU takes all its tokens in one step and adds them in token order (``IN_ORDER``: the bits of one token a
+step, one round of loads instead of one per token; :func:`config`). Stage 2
 (``_sink_grad_reduce_kernel``) sums the partials of every head over ``i`` in a fixed blocked order. The
 same inputs and shapes give byte-identical ``d_sink`` run after run. It is not bitwise equal to autograd
 of the reference (a different summation order): fp32 rounding differences only.
@@ -39,6 +41,36 @@ FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @triton.jit
+def _terms(
+    do_ptr, o_ptr, lse_ptr, dlse_ptr, sink, tt, hh, T, S, H,
+    do_sb, do_ss, do_sh, do_sd, o_sb, o_ss, o_sh, o_sd, l_sb, l_ss, l_sh, dl_sb, dl_ss, dl_sh,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DO: tl.constexpr, HAS_DLSE: tl.constexpr,
+):
+    """``p_sink * (d_lse - rowsum(dO * O))`` of tokens ``tt`` and heads ``hh`` (broadcast against each other: a
+    [tokens, heads] or [heads, tokens] tile; ``sink`` broadcast like ``hh``), 0 outside the tensors."""
+    b = tt // S
+    s = tt - b * S
+    mask = (tt < T) & (hh < H)
+    lse = tl.load(lse_ptr + (b * l_sb + s * l_ss) + hh * l_sh, mask=mask, other=0.0)
+    p_sink = tl.exp(sink - lse)
+    weight = tl.full(lse.shape, 0.0, tl.float32)
+    if HAS_DO:
+        do_row = do_ptr + ((b * do_sb + s * do_ss) + hh * do_sh)[:, :, None]
+        o_row = o_ptr + ((b * o_sb + s * o_ss) + hh * o_sh)[:, :, None]
+        prod = tl.full([lse.shape[0], lse.shape[1], BLOCK_D], 0.0, tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            cols = d0 + tl.arange(0, BLOCK_D)
+            m3 = mask[:, :, None] & (cols < D)[None, None, :]
+            do = tl.load(do_row + cols[None, None, :] * do_sd, mask=m3, other=0.0).to(tl.float32)
+            o = tl.load(o_row + cols[None, None, :] * o_sd, mask=m3, other=0.0).to(tl.float32)
+            prod += do * o
+        weight -= tl.sum(prod, axis=2)
+    if HAS_DLSE:
+        weight += tl.load(dlse_ptr + (b * dl_sb + s * dl_ss) + hh * dl_sh, mask=mask, other=0.0)
+    return tl.where(mask, p_sink * weight, 0.0)
+
+
+@triton.jit
 def _sink_grad_partial_kernel(
     do_ptr, o_ptr, lse_ptr, dlse_ptr, sink_ptr, part_ptr,
     T, S, H,
@@ -47,38 +79,38 @@ def _sink_grad_partial_kernel(
     l_sb, l_ss, l_sh,
     dl_sb, dl_ss, dl_sh,
     D: tl.constexpr, TOK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_DO: tl.constexpr, HAS_DLSE: tl.constexpr,
+    HAS_DO: tl.constexpr, HAS_DLSE: tl.constexpr, IN_ORDER: tl.constexpr = False,
 ):
-    """partials[i, h] = sum over tokens [i*TOK, (i+1)*TOK) of p_sink * (d_lse - rowsum(dO * O)), in fixed order."""
+    """partials[i, h] = sum over tokens [i*TOK, (i+1)*TOK) of p_sink * (d_lse - rowsum(dO * O)), in fixed order.
+
+    IN_ORDER (a small input: all its tokens in one step): the tile is [heads, tokens, d] (the warps go to the
+    heads, a thread holds every token of its heads) and the BLOCK_T tokens are added to one accumulator one
+    after the other, as BLOCK_T steps of one token would, over the same d reductions: the same bits."""
     pid_t = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_mask = heads < H
-    sink = tl.load(sink_ptr + heads, mask=h_mask, other=0.0)
+    sink = tl.load(sink_ptr + heads, mask=heads < H, other=0.0)
     acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+    ordered = tl.zeros([BLOCK_H], dtype=tl.float32)
     for t0 in range(0, TOK, BLOCK_T):
         t = pid_t.to(tl.int64) * TOK + t0 + tl.arange(0, BLOCK_T)
-        b = t // S
-        s = t - b * S
-        mask = (t < T)[:, None] & h_mask[None, :]
-        lse = tl.load(lse_ptr + (b * l_sb + s * l_ss)[:, None] + heads[None, :] * l_sh, mask=mask, other=0.0)
-        p_sink = tl.exp(sink[None, :] - lse)
-        weight = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
-        if HAS_DO:
-            do_row = do_ptr + (b * do_sb + s * do_ss)[:, None, None] + heads[None, :, None] * do_sh
-            o_row = o_ptr + (b * o_sb + s * o_ss)[:, None, None] + heads[None, :, None] * o_sh
-            prod = tl.zeros([BLOCK_T, BLOCK_H, BLOCK_D], dtype=tl.float32)
-            for d0 in range(0, D, BLOCK_D):
-                cols = d0 + tl.arange(0, BLOCK_D)
-                m3 = mask[:, :, None] & (cols < D)[None, None, :]
-                do = tl.load(do_row + cols[None, None, :] * do_sd, mask=m3, other=0.0).to(tl.float32)
-                o = tl.load(o_row + cols[None, None, :] * o_sd, mask=m3, other=0.0).to(tl.float32)
-                prod += do * o
-            weight -= tl.sum(prod, axis=2)
-        if HAS_DLSE:
-            weight += tl.load(dlse_ptr + (b * dl_sb + s * dl_ss)[:, None] + heads[None, :] * dl_sh, mask=mask,
-                              other=0.0)
-        acc += tl.where(mask, p_sink * weight, 0.0)
-    tl.store(part_ptr + pid_t.to(tl.int64) * H + heads, tl.sum(acc, axis=0), mask=h_mask)
+        if IN_ORDER:
+            terms = _terms(do_ptr, o_ptr, lse_ptr, dlse_ptr, sink[:, None], t[None, :], heads[:, None], T, S, H,
+                           do_sb, do_ss, do_sh, do_sd, o_sb, o_ss, o_sh, o_sd, l_sb, l_ss, l_sh, dl_sb, dl_ss, dl_sh,
+                           D, BLOCK_D, HAS_DO, HAS_DLSE)
+            slot = tl.arange(0, BLOCK_T)[None, :]
+            for i in tl.static_range(BLOCK_T):  # token i alone in its row of zeros: an exact extraction
+                ordered = ordered + tl.sum(tl.where(slot == i, terms, 0.0), axis=1)
+        else:
+            acc += _terms(do_ptr, o_ptr, lse_ptr, dlse_ptr, sink[None, :], t[:, None], heads[None, :], T, S, H,
+                          do_sb, do_ss, do_sh, do_sd, o_sb, o_ss, o_sh, o_sd, l_sb, l_ss, l_sh, dl_sb, dl_ss, dl_sh,
+                          D, BLOCK_D, HAS_DO, HAS_DLSE)
+    if IN_ORDER:
+        # a -0.0 term comes out of its row as +0.0; the accumulator starts at +0.0 and so is never -0.0, and
+        # adding +0.0 or -0.0 to it gives the same bits
+        total = ordered
+    else:
+        total = tl.sum(acc, axis=0)
+    tl.store(part_ptr + pid_t.to(tl.int64) * H + heads, total, mask=heads < H)
 
 
 @triton.jit
@@ -135,7 +167,23 @@ def config(tokens: int, heads: int, dim: int) -> dict:
     # when there are fewer tokens: the steps past the last token only add +0.0 (the same bits), but each is a
     # dependent round of loads (4 tokens: 10.5 us for 16 steps on the H200, benchmarks/RESULTS.md)
     block_d = min(_pow2(dim), max(16, 8192 // block_h))
-    return dict(TOK=min(16, _pow2(tokens)), BLOCK_T=1, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=8)
+    tok = min(16, _pow2(tokens))
+    if TINY_ONE_STEP and tokens <= tok and tok * block_h * block_d <= TINY_ELEMENTS \
+            and block_h * block_d >= 8 * 32 * 8:
+        # a small input (one token block, at most TINY_ELEMENTS per operand): every token in one step, one round
+        # of loads and one cross-warp reduction instead of one per token, the tokens still added in order
+        # (IN_ORDER) to the same d reductions, so the same bits. The same d reductions need the same layout of
+        # d: a one-token tile of at least 8 elements a thread (the widest vector, 8 x 16 bits) gets the layout
+        # Triton gives the larger tile (smaller ones spread d over more threads, another summation tree).
+        return dict(TOK=tok, BLOCK_T=tok, BLOCK_H=block_h, BLOCK_D=block_d, IN_ORDER=True, num_warps=8)
+    return dict(TOK=tok, BLOCK_T=1, BLOCK_H=block_h, BLOCK_D=block_d, IN_ORDER=False, num_warps=8)
+
+
+# Small inputs take one step for all their tokens (q [1, 4, 8, 512]: 4 steps of one token before, ~0.5 us each on
+# the H200; benchmarks/RESULTS.md, "Tiny shapes against torch.compile"): 64 elements per thread and operand at
+# 8 warps. The benchmark turns it off (then ``launch.clear_plans()``) to time both.
+TINY_ONE_STEP = True
+TINY_ELEMENTS = 16384
 
 
 # One plan pair (partials launch, reduce launch; no reduce for a single token block) per layouts of the arguments:
@@ -163,7 +211,8 @@ def _prepare(key: tuple, d_out: Any, out: Any, lse: Any, sink: Any, d_lse: Any) 
     o_s = strides_of(out) if has_do else [0, 0, 0, 0]
     dl_s = strides_of(d_lse) if d_lse is not None else [0, 0, 0]
     meta = dict(D=dim, TOK=cfg["TOK"], BLOCK_T=cfg["BLOCK_T"], BLOCK_H=cfg["BLOCK_H"], BLOCK_D=cfg["BLOCK_D"],
-                HAS_DO=has_do, HAS_DLSE=d_lse is not None, num_warps=cfg["num_warps"])
+                HAS_DO=has_do, HAS_DLSE=d_lse is not None, IN_ORDER=cfg.get("IN_ORDER", False),
+                num_warps=cfg["num_warps"])
     partial = Plan((n_part, triton.cdiv(heads, cfg["BLOCK_H"])),
                    (tokens, seq, heads, *do_s, *o_s, *strides_of(lse), *dl_s), meta, standard=is_standard(sink))
     partial.info = ((n_part, heads), _prepare_reduce(n_part, heads) if n_part > 1 else None)
