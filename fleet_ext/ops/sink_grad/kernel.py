@@ -168,15 +168,22 @@ def config(tokens: int, heads: int, dim: int) -> dict:
     # dependent round of loads (4 tokens: 10.5 us for 16 steps on the H200, benchmarks/RESULTS.md)
     block_d = min(_pow2(dim), max(16, 8192 // block_h))
     tok = min(16, _pow2(tokens))
+    warps = 8
+    if TINY_SPLIT_HEADS and tokens <= tok and heads > 1 and tok * _pow2(dim) <= TINY_ELEMENTS:
+        # one token block: one program per head instead of one for all (a single program is issue-bound on one
+        # SM), the warps cut so that a thread still holds 8 elements of a one-token d row (the layout condition
+        # below)
+        block_h, block_d = 1, _pow2(dim)
+        warps = max(1, min(8, block_d // (8 * 32)))
     if TINY_ONE_STEP and tokens <= tok and tok * block_h * block_d <= TINY_ELEMENTS \
-            and block_h * block_d >= 8 * 32 * 8:
+            and block_h * block_d >= 8 * 32 * warps:
         # a small input (one token block, at most TINY_ELEMENTS per operand): every token in one step, one round
         # of loads and one cross-warp reduction instead of one per token, the tokens still added in order
         # (IN_ORDER) to the same d reductions, so the same bits. The same d reductions need the same layout of
         # d: a one-token tile of at least 8 elements a thread (the widest vector, 8 x 16 bits) gets the layout
         # Triton gives the larger tile (smaller ones spread d over more threads, another summation tree).
-        return dict(TOK=tok, BLOCK_T=tok, BLOCK_H=block_h, BLOCK_D=block_d, IN_ORDER=True, num_warps=8)
-    return dict(TOK=tok, BLOCK_T=1, BLOCK_H=block_h, BLOCK_D=block_d, IN_ORDER=False, num_warps=8)
+        return dict(TOK=tok, BLOCK_T=tok, BLOCK_H=block_h, BLOCK_D=block_d, IN_ORDER=True, num_warps=warps)
+    return dict(TOK=tok, BLOCK_T=1, BLOCK_H=block_h, BLOCK_D=block_d, IN_ORDER=False, num_warps=warps)
 
 
 # Small inputs take one step for all their tokens (q [1, 4, 8, 512]: 4 steps of one token before, ~0.5 us each on
@@ -184,6 +191,9 @@ def config(tokens: int, heads: int, dim: int) -> dict:
 # 8 warps. The benchmark turns it off (then ``launch.clear_plans()``) to time both.
 TINY_ONE_STEP = True
 TINY_ELEMENTS = 16384
+# Small inputs (one token block) also take one program per head (q [1, 4, 8, 512]: 8 programs of 2 warps instead
+# of one of 8 warps). The benchmark turns it off to time both.
+TINY_SPLIT_HEADS = True
 
 
 # One plan pair (partials launch, reduce launch; no reduce for a single token block) per layouts of the arguments:
