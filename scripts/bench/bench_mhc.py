@@ -439,6 +439,7 @@ def main() -> None:
     result["tune"] = pick(result["sweep"]) if args.pick else {}
     kernel.TUNE.update(result["tune"])
     print(f"geometry for what follows: defaults + TUNE {result['tune']}", flush=True)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as fh:
         json.dump(result, fh, indent=1)
     try:
