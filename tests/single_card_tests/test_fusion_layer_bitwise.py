@@ -23,8 +23,8 @@ pytest.importorskip("torch", reason="the Triton interpreter needs torch (install
 
 from fleet_ext.registry import FUSIONS  # noqa: E402
 
-BASE = tiny_model(use_vha_attention=True)
-SEQ = 136
+BASE = tiny_model(use_vha_attention=True, hca_compress_ratio=8)
+SEQ = 38  # past the window (8), CSA and HCA (pooling 8) with entries; 2 x 38 tokens take the sink gradient's reduce
 # Switch sets under test; the inv-RoPE+postmix fusion builds on the fused RoPE (config gate).
 SWITCH_SETS = {
     "sparse_attn_global_kv_idx_remap_fusion": {"sparse_attn_global_kv_idx_remap_fusion": True},

@@ -35,7 +35,11 @@ BITWISE_KERNELS = {"_rope_kernel", "_write_trailing_kernel", "_kv_idx_remap_kern
                    "_norm_rope_fwd_kernel", "_norm_rope_bwd_kernel"}
 SINK_GRAD_CHECK = ("--rtol", "1e-5")  # the sink-grad fusion's documented relative tolerance on the loss
 SINK_GRAD_RTOL = float(SINK_GRAD_CHECK[1])
-SHORT_RUN = ["--max_steps", "3", "--warmup_steps", "1", "--max_seq_len", "136", "--per_device_train_batch_size", "2",
+# 40 tokens past a window of 16; top-k 4 of 10 CSA entries, HCA pooling 8 tokens (5 entries): every kind runs its
+# compressed path with real picks, and 2 x 40 tokens take the sink gradient's two launches (partials over blocks of
+# 64 tokens in the interpreter, then their reduce); 136 tokens with the YAML's window 32 took twice the time.
+SHORT_RUN = ["--max_steps", "3", "--warmup_steps", "1", "--max_seq_len", "40", "--per_device_train_batch_size", "2",
+             "--csa_window_size", "16", "--dsa_index_topk", "4", "--hca_compress_ratio", "8",
              "--eval_steps", "0", "--save_steps", "0", "--disable_tqdm", "true"]
 
 

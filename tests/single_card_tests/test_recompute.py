@@ -74,16 +74,25 @@ def _assert_same(got: dict, want: dict, what: str) -> None:
 
 
 _REFERENCES: dict[str, dict] = {}
+# The interpreted Triton kernels are slow on CPU (their time grows with tokens and attended slots): the cases that run
+# them take 26 tokens and a shorter window of 16 (still crossed), top-k 4 (below the 6 CSA entries and the 10 keys
+# outside a -2 layer's forced window, so the picks are real) and HCA pooling 8 tokens (3 entries), each compressor
+# with a partial last block. At 140 / 36-40 tokens with the YAML's window 32 they took ~60 s of CI.
+SHORT_SEQ, SHORT = 26, {"csa_window_size": 16, "dsa_index_topk": 4, "hca_compress_ratio": 8}
+KERNEL_SETS = ("fused", "triton_sparse_attn")
 
 
 def _seq(fusions: str) -> int:
-    """The interpreted Triton sparse-attention kernels are slow on CPU: a shorter sequence (still 9 CSA entries)."""
-    return 36 if fusions == "triton_sparse_attn" else 140
+    return SHORT_SEQ if fusions in KERNEL_SETS else 140
+
+
+def _model(fusions: str) -> dict:
+    return {**TINY_MODEL, **FUSION_SETS[fusions], **(SHORT if fusions in KERNEL_SETS else {})}
 
 
 def _reference(fusions: str) -> dict:
     if fusions not in _REFERENCES:
-        _REFERENCES[fusions] = _step(TINY, {**TINY_MODEL, **FUSION_SETS[fusions]}, seq=_seq(fusions))
+        _REFERENCES[fusions] = _step(TINY, _model(fusions), seq=_seq(fusions))
     return _REFERENCES[fusions]
 
 
@@ -96,7 +105,7 @@ CASES = [(policy, "unfused") for policy in POLICIES] + [
 
 @pytest.mark.parametrize("policy, fusions", CASES, ids=[f"{p}-{f}" for p, f in CASES])
 def test_tiny_model_is_bitwise_equal_under_recompute(policy, fusions):
-    got = _step(TINY, {**TINY_MODEL, **FUSION_SETS[fusions], **POLICIES[policy]}, seq=_seq(fusions))
+    got = _step(TINY, {**_model(fusions), **POLICIES[policy]}, seq=_seq(fusions))
     _assert_same(got, _reference(fusions), f"{policy} ({fusions})")
     assert got["moe_aux_loss"].item() > 0, "the aux loss must be on for its once-only logging to be checked"
 
@@ -136,7 +145,7 @@ def test_indexer_picks_are_saved_not_recomputed(monkeypatch):
                          ids=["rope_fusion", "triton_latent_mqa"])
 def test_hybrid_mla_sparse_phase_with_fused_kernels_under_recompute(fusions):
     """The -2 layers' fused paths (RoPE kernel, Triton latent-MQA sparse attention) re-run bitwise too."""
-    seq = 96 if "mqa_sparse_attn_backend" not in fusions else 40  # interpreted sparse attention: keep it short
+    seq, fusions = (96, fusions) if "mqa_sparse_attn_backend" not in fusions else (SHORT_SEQ, {**fusions, **SHORT})
     want = _step(HYBRID, fusions, seq=seq)
     got = _step(HYBRID, {**fusions, **POLICIES["full_uniform"]}, seq=seq)
     _assert_same(got, want, f"sparse phase, {fusions}, full recompute")
