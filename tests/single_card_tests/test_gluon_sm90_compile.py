@@ -72,7 +72,7 @@ def compile_ws_forward(tail: int, dense: bool):
     strides = {name: "i32" for name in ("stride_qt", "stride_qh", "stride_kvn", "stride_it", "stride_ot", "stride_oh")}
     meta = {**kernel_config.WS_FWD_TILES[tail], **kernel_config.WS_FWD_META}
     options = {k: meta.pop(k) for k in ("num_warps", "maxnreg")}
-    constexprs = {"D_TAIL": tail, "BLOCK_H": 64, "HAS_TOPK_LEN": not dense, "DENSE": dense, **meta}
+    constexprs = {"D_TAIL": tail, "BLOCK_H": 64, "HAS_TOPK_LEN": not dense, "DENSE": dense, "HEAD_BLOCKS": 2, **meta}
     signature = {**pointers, **scalars, "qk_scale": "fp32", **strides, **{k: "constexpr" for k in constexprs}}
     return compile_sm90(_sparse_attn_fwd_ws_kernel, signature, constexprs, (*pointers, *strides), **options)
 

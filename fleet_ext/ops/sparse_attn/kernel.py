@@ -236,11 +236,12 @@ def launch_ws_forward(q: Any, kv: Any, sink: Any, out: Any, lse: Any, scale: flo
     dense = idx is None
     n_kv = int(kv.shape[0]) // (num_t // seq) if dense else int(kv.shape[0])
     width = 0 if dense else int(idx.shape[1])
-    launch(_sparse_attn_fwd_ws_kernel, (num_t, triton.cdiv(heads, 64)), q, kv, q if dense else idx,
+    head_blocks = triton.cdiv(heads, 64)
+    launch(_sparse_attn_fwd_ws_kernel, (num_t * head_blocks,), q, kv, q if dense else idx,
            q if topk_length is None else topk_length, sink, out, lse, heads, n_kv, width, int(seq), int(q_offset),
            float(scale) * _LOG2E, heads * d_qk, d_qk, d_qk, width, heads * d_v, d_v,
            D_TAIL=d_qk - d_v, BLOCK_H=64, HAS_TOPK_LEN=topk_length is not None, DENSE=dense,
-           **kernel_config.WS_FWD_TILES[d_qk - d_v], **kernel_config.WS_FWD_META)
+           HEAD_BLOCKS=head_blocks, **kernel_config.WS_FWD_TILES[d_qk - d_v], **kernel_config.WS_FWD_META)
 
 
 def use_ws_forward(q: Any, kv: Any, d_qk: int, d_v: int, fn: str) -> bool:

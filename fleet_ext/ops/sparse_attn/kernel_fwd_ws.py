@@ -239,19 +239,21 @@ def _sparse_attn_fwd_ws_kernel(
     stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh,
     D_TAIL: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
     NUM_STAGES: gl.constexpr, P_IN_REGS: gl.constexpr, DENSE: gl.constexpr, GATHER_REGS: gl.constexpr,
-    RIGHT_REGS: gl.constexpr,
+    RIGHT_REGS: gl.constexpr, HEAD_BLOCKS: gl.constexpr,
 ):
     """One program per (query row, 64 heads). Sparse (``DENSE`` False): the row's keys are its index slots, up to
     ``topk_length`` when given. Dense causal (``kernel_causal.py``'s contract; ``IDX``, ``TOPK_LEN``, ``K`` unused):
     query ``t = b * S + i`` sees keys ``b * N + 0 .. min(q_offset + i, N - 1)``, the longest rows launched first."""
-    h0 = gl.program_id(1) * BLOCK_H
+    tile = gl.program_id(0)  # a query row's head blocks next to each other: they gather the same KV rows (L2)
+    h0 = (tile % HEAD_BLOCKS) * BLOCK_H
+    row = tile // HEAD_BLOCKS
     if DENSE:
-        t = (gl.num_programs(0) - 1 - gl.program_id(0)).to(gl.int64)
+        t = (gl.num_programs(0) // HEAD_BLOCKS - 1 - row).to(gl.int64)
         seq_b = t // S
         n_valid = gl.minimum(q_offset + (t - seq_b * S) + 1, N).to(gl.int32)
         kv_base = KV + seq_b * N * stride_kvn
     else:
-        t = gl.program_id(0).to(gl.int64)
+        t = row.to(gl.int64)
         n_valid = K
         if HAS_TOPK_LEN:
             n_valid = gl.minimum(gl.maximum(gl.load(TOPK_LEN + t).to(gl.int32), 0), K)
