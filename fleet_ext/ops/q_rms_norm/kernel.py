@@ -100,6 +100,7 @@ from fleet_ext.ops.q_rms_norm.kernel_order import (
     paddle_cpu_order,
     torch_cuda_order,
 )
+from fleet_ext.ops.strides import uniform_row_step
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 PHASE_STATS, PHASE_APPLY, PHASE_FUSED = 0, 1, 2
@@ -156,16 +157,6 @@ _SMS = 132  # an H200's SMs: fewer row blocks than this leave SMs idle (the thre
 
 def _one_pass(d: int, order: Order, phase: int = PHASE_FUSED) -> bool:
     return phase == PHASE_FUSED and order.nacc == 4 and -(-d // (order.lanes * 4)) <= MAX_TILES
-
-
-def _row_stride(shape: list[int], strides: list[int]) -> int | None:
-    """The stride between consecutive rows of [b, s, h, d] when all rows are uniformly strided, else None."""
-    b, s, h, _ = shape
-    s_b, s_s, s_h, _ = strides
-    step = s_h if h > 1 else (s_s if s > 1 else s_b)
-    if (h > 1 and s_h != step) or (s > 1 and s_s != step * h) or (b > 1 and s_b != step * h * s):
-        return None
-    return step
 
 
 def _config(d: int, order: Order, backward: bool = False, phase: int = PHASE_FUSED, rows: int | None = None) -> dict:
@@ -225,7 +216,7 @@ def _prepare_fwd(key: tuple, q: Any, r: Any, phase: int, order: Order | None, ep
         return _FWD_PLANS.add(key, Plan(None, info=info))
     cfg = _config(d, order, phase=phase, rows=rows)
     s_b, s_s, s_h, s_d = strides_of(q)
-    step = _row_stride(shape_of(q), strides_of(q))
+    step = uniform_row_step(shape_of(q), strides_of(q))
     meta = dict(D=d, PHASE=phase, FLAVOR=order.flavor, DOWNCAST=dtype_name(q) != "float32",
                 FLAT_ROWS=step is not None, STORE_R=store, enable_fp_fusion=False, **cfg)
     scalars = (rows, s, h, s_b, s_s, s_h if step is None else step, s_d, float(order.mean_factor), float(eps))
@@ -319,7 +310,7 @@ def _prepare_bwd(key: tuple, dy: Any, q: Any, r: Any, order: Order | None, eps: 
         return _BWD_PLANS.add(key, Plan(None))
     cfg = _config(d, order, backward=True)
     x_strides, g_strides = strides_of(q), strides_of(dy)
-    x_step, g_step = _row_stride(shape_of(q), x_strides), _row_stride(shape_of(dy), g_strides)
+    x_step, g_step = uniform_row_step(shape_of(q), x_strides), uniform_row_step(shape_of(dy), g_strides)
     flat = x_step is not None and g_step is not None
     if flat:
         x_strides[2], g_strides[2] = x_step, g_step

@@ -56,6 +56,7 @@ from fleet_ext.ops.q_rms_norm.kernel_order import Order, paddle_cpu_order, torch
 from fleet_ext.ops.qkv_prologue.kernel_bwd import _dw_reduce_kernel, _norm_rope_bwd_kernel
 from fleet_ext.ops.qkv_prologue.kernel_fwd import _norm_rope_fwd_kernel
 from fleet_ext.ops.rope import kernel as rope_kernel
+from fleet_ext.ops.strides import uniform_row_step
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 PHASE_APPLY, PHASE_FUSED = 1, 2
@@ -189,7 +190,7 @@ def _prepare_fwd(key: tuple, x: Any, r: Any, cos: Any, sin: Any, weight: Any, ph
     if rows == 0 or d == 0:
         return _FWD_PLANS.add(key, Plan(None, info=info))
     cfg = _config(d, order, phase, backward=False, kv=weight is not None)
-    step = q_kernel._row_stride(shape, strides)
+    step = uniform_row_step(shape, strides)
     if step is not None:
         strides[2] = step
     meta = dict(D=d, NOPE=d - 2 * half, PHASE=phase, FLAVOR=order.flavor, HAS_W=weight is not None,
@@ -281,7 +282,7 @@ def _prepare_bwd(key: tuple, dy: Any, x: Any, r: Any, cos: Any, sin: Any, weight
     if rows == 0 or d == 0:
         return _BWD_PLANS.add(key, Plan(None, info=(d, fp32, 0, None)))
     cfg = _config(d, order, PHASE_FUSED, backward=True, kv=weight is not None)
-    x_step, g_step = q_kernel._row_stride([b, s, h, d], x_strides), q_kernel._row_stride([b, s, h, d], g_strides)
+    x_step, g_step = uniform_row_step([b, s, h, d], x_strides), uniform_row_step([b, s, h, d], g_strides)
     flat = x_step is not None and g_step is not None
     if flat:
         x_strides[2], g_strides[2] = x_step, g_step

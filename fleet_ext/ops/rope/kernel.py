@@ -47,6 +47,7 @@ from fleet_ext.ops.launch import (
     strides_of,
 )
 from fleet_ext.ops.rounding import _add_rn, _mul_rn, _plus_zero, _sub_rn
+from fleet_ext.ops.strides import uniform_row_step
 
 _FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
@@ -262,15 +263,6 @@ def _plan(total: int, d: int, half: int, copy_start: int, use_ptx: bool, split: 
             "NCOPY": triton.cdiv(copy_width, block_n) if split else 0}
 
 
-def _row_step(b: int, s: int, h: int, strides: list[int]) -> int | None:
-    """The element stride between consecutive (batch, position, head) vectors when all are uniformly strided."""
-    s_b, s_s, s_h, _ = strides
-    step = s_h if h > 1 else (s_s if s > 1 else s_b)
-    if (s > 1 and s_s != step * h) or (b > 1 and s_b != step * h * s):
-        return None
-    return step
-
-
 def _extent(shape: list[int], strides: list[int], rows: int) -> int:
     """The largest element offset of a tensor, plus ``rows`` rows (masked lanes past the end still form offsets)."""
     return sum((max(n, 1) - 1 + rows) * abs(st) for n, st in zip(shape, strides))
@@ -308,7 +300,7 @@ def _prepare(key: tuple, x: Any, cos: Any, sin: Any, fn: str, start: int, invers
         blocks["BLOCK_M"] = min(int(TUNE.get("split_rows", blocks["BLOCK_M"])), _pow2(total))
         warps = int(TUNE.get("split_warps", warps))
     grid = (triton.cdiv(total, blocks["BLOCK_M"]), blocks.pop("NCOPY") + 1)
-    x_step, o_step = _row_step(b, s, h, x_strides), _row_step(b, s, h, o_strides)
+    x_step, o_step = uniform_row_step([b, s, h, d], x_strides), uniform_row_step([b, s, h, d], o_strides)
     flat = x_step is not None and o_step is not None
     tables = _table_strides(cos, b), _table_strides(sin, b)
     rows = blocks["BLOCK_M"]
