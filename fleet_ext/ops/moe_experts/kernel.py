@@ -122,12 +122,13 @@ class Launch(NamedTuple):
 
 # Launch settings (no autotuning): per GEMM, for small expert groups ("small": mean rows per expert <
 # SMALL_GROUP_ROWS, e.g. 256 experts x 192 rows) and large ones ("large": 32 experts x 1536 rows). GPU values:
-# scripts/bench/bench_moe.py's sweep on the H200 (benchmarks/RESULTS.md, issue 14).
+# scripts/bench/bench_moe.py's sweep on the H200 (benchmarks/RESULTS.md, issue 14); d_gate_up's large-group tile
+# from scripts/bench/tune_moe_d_gate_up.py (run 7: 421 vs 403 TFLOP/s at 32 experts).
 SMALL_GROUP_ROWS = 512
 TUNE: dict[str, dict[str, Launch]] = {
     "gate_up": {"small": Launch(128, 128, 64, 8, 8, 4, True, 0), "large": Launch(128, 128, 64, 8, 8, 4, True, 0)},
     "down": {"small": Launch(128, 256, 64, 8, 8, 3, True, 2), "large": Launch(128, 256, 64, 8, 8, 3, True, 2)},
-    "d_gate_up": {"small": Launch(64, 128, 64, 8, 4, 4, True, 0), "large": Launch(64, 128, 64, 8, 4, 4, True, 0)},
+    "d_gate_up": {"small": Launch(64, 128, 64, 8, 4, 4, True, 0), "large": Launch(128, 128, 64, 8, 8, 4, True, 0)},
     "d_rows": {"small": Launch(128, 256, 64, 8, 8, 3, True, 2), "large": Launch(128, 256, 64, 8, 8, 3, True, 2)},
     "d_weight": {"small": Launch(128, 256, 64, 1, 8, 3, True, 2), "large": Launch(128, 256, 64, 1, 8, 3, True, 2)},
 }
