@@ -7,7 +7,7 @@ it is timed. Baselines on the same inputs: ``torch._grouped_mm`` of the GEMM alo
 (``d_out @ W2[e]^T``, no epilogue) and a dense GEMM of the same FLOPs. Shapes: ``cases_moe_experts`` (T 8192,
 top-6, D 4096, I 2048, bf16, random routing; E 256 and 32). Prints a table last, writes
 ``tune_moe_d_gate_up.json`` under ``--out``. ``--layer-tokens``: then the whole MoE layer (``cases_moe_experts.
-layer_rows``: eager and ``_grouped_mm`` mirrors, all fused) with each expert count's fastest byte-identical variant.
+layer_rows``: eager and ``_grouped_mm`` mirrors, all fused) at the committed launch settings.
 
     python scripts/bench/tune_moe_d_gate_up.py --out $OUT [--layer-tokens 8192 16384]
 """
@@ -35,6 +35,12 @@ LAUNCHES = [
     (128, 128, 64, 8, 8, 4, True, 1),
     (128, 128, 64, 16, 8, 4, True, 0),
     (64, 128, 64, 8, 4, 3, True, 0),
+    (128, 256, 64, 8, 8, 3, True, 0),
+    (128, 256, 64, 8, 8, 4, True, 0),
+    (128, 256, 64, 8, 8, 3, True, 1),
+    (128, 256, 64, 8, 8, 4, True, 1),
+    (128, 256, 64, 16, 8, 3, True, 1),
+    (128, 256, 64, 4, 8, 3, True, 1),
 ]
 
 
@@ -78,20 +84,40 @@ def run_case(experts: int, log) -> dict:
     return row
 
 
-def layer(row: dict, tokens: list[int], log) -> list[dict]:
-    """The whole layer at ``tokens`` with this expert count's fastest variant installed."""
-    experts, best = row["experts"], row["best"]
-    regime = "small" if cme.T * cme.K < ek.SMALL_GROUP_ROWS * experts else "large"
-    saved = ek.TUNE["d_gate_up"][regime]
-    ek.TUNE["d_gate_up"][regime] = ek.Launch._make(best["cfg"])
-    try:
-        out = []
-        for t in tokens:
-            out.append({**cme.layer_rows(t, experts, log), "d_gate_up": best["cfg"]})
-            torch.cuda.empty_cache()
-        return out
-    finally:
-        ek.TUNE["d_gate_up"][regime] = saved
+def layer(experts: int, tokens: list[int], log) -> list[dict]:
+    """The whole layer at ``tokens`` at the committed launch settings."""
+    out = []
+    for t in tokens:
+        regime = "small" if t * cme.K < ek.SMALL_GROUP_ROWS * experts else "large"
+        out.append({**cme.layer_rows(t, experts, log), "d_gate_up": list(ek.TUNE["d_gate_up"][regime])})
+        torch.cuda.empty_cache()
+    return out
+
+
+def profile_layer(tokens: int, experts: int) -> None:
+    """GPU time per kernel name of one fused layer forward + backward (the committed defaults), largest first."""
+    gen = torch.Generator(device=cme.DEVICE).manual_seed(11)
+    x = torch.randn(tokens, cme.D, generator=gen, device=cme.DEVICE).bfloat16()
+    wr = torch.randn(experts, cme.D, generator=gen, device=cme.DEVICE) * 0.02
+    bias = torch.randn(experts, generator=gen, device=cme.DEVICE) * 0.01
+    g = torch.randn(tokens, cme.D, generator=gen, device=cme.DEVICE).bfloat16()
+    w1, w2 = cme.weights(experts, seed=12)
+    run = lambda: cme.layer_fused_fwd_bwd(x, wr, bias, w1, w2, g, experts)  # noqa: E731
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            run()
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            times[ev.name[:60]] = times.get(ev.name[:60], 0.0) + ev.device_time / 5
+    total = sum(times.values())
+    print(f"\nprofile T={tokens} E={experts}: {total / 1e3:.2f} ms of kernels per layer fwd+bwd")
+    for name, us in sorted(times.items(), key=lambda kv: -kv[1]):
+        print(f"  {us:9.1f} us  {100 * us / total:5.1f} %  {name}")
 
 
 def table(rows: list[dict]) -> str:
@@ -124,6 +150,8 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--experts", nargs="*", type=int, default=[256, 32])
     parser.add_argument("--layer-tokens", nargs="*", type=int, default=[])
+    parser.add_argument("--profile-tokens", nargs="*", type=int, default=[],
+                        help="per-kernel GPU time of the fused layer's forward + backward (torch profiler)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
@@ -131,7 +159,10 @@ def main() -> None:
         print(msg, flush=True)
 
     rows = [run_case(e, log) for e in args.experts]
-    layers = [r for row in rows for r in layer(row, args.layer_tokens, log)]
+    layers = [r for e in args.experts for r in layer(e, args.layer_tokens, log)]
+    for tokens in args.profile_tokens:
+        for e in args.experts:
+            profile_layer(tokens, e)
     with open(os.path.join(args.out, "tune_moe_d_gate_up.json"), "w") as fh:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows,
                    "layer": layers}, fh, indent=1)

@@ -30,7 +30,7 @@ from fleet_ext import capability  # noqa: E402
 capability.prepare_triton()
 
 from fleet_ext.config import load_config  # noqa: E402
-from fleet_ext.ops.moe_experts import function, kernel, kernel_tiles  # noqa: E402
+from fleet_ext.ops.moe_experts import function, kernel, kernel_bwd, kernel_tiles  # noqa: E402
 from fleet_ext.registry import FUSIONS  # noqa: E402
 
 FORWARD = {"_grouped_gate_up": 1, "_grouped_rows_mm": 1}  # gate+up with the SwiGLU epilogue; down
@@ -237,6 +237,32 @@ def test_load_paths_and_grid_kinds_give_the_same_bytes():
     planted = _run(function.experts, x, counts, w1_off, w2, g, 1.0)
     with pytest.raises(AssertionError):
         assert_bitwise(planted["out"], first["out"], "planted: one weight one ulp off")
+
+
+def test_d_gate_up_epilogue_in_quarters_gives_the_halves_bytes(monkeypatch):
+    """From 256 columns a tile's d_gate_up epilogue runs in column quarters (else halves): the same bytes as 16-column
+    tiles (halves), with an empty expert and rows past the counts. Negative control: quarters stored in the wrong
+    order (the middle two swapped) fail the bitwise check."""
+    x, counts, w1, w2, g = _data(21, 16, 256, 3, 2, "empty_experts", 1.0)
+    x = np.concatenate([x, np.ones((2, x.shape[1]), "float32")])
+    g = np.concatenate([g, np.ones((2, g.shape[1]), "float32")])
+    halves = _run(function.experts, x, counts, w1, w2, g, 1.0)
+    monkeypatch.setattr(kernel, "INTERPRETER_TILE", (16, 256, 16, 1, 4, 1))
+    quarters = _run(function.experts, x, counts, w1, w2, g, 1.0)
+    for key in halves:
+        assert_bitwise(quarters[key], halves[key], f"d_gate_up epilogue quarters: {key}")
+    split = kernel_bwd._halves.fn
+    calls = []
+
+    def swapped(t, bm, w):  # the second split of the first half returns its parts swapped
+        calls.append(w)
+        a, b = split(t, bm, w)
+        return (b, a) if len(calls) == 2 else (a, b)
+
+    monkeypatch.setattr(kernel_bwd, "_halves", swapped)
+    planted = _run(function.experts, x, counts, w1, w2, g, 1.0)
+    with pytest.raises(AssertionError):
+        assert_bitwise(planted["d_rows"], halves["d_rows"], "planted: quarters swapped")
 
 
 def test_the_warp_specialised_kernels_never_run_here_and_forcing_them_names_why(monkeypatch):

@@ -122,16 +122,19 @@ class Launch(NamedTuple):
 
 # Launch settings (no autotuning): per GEMM, for small expert groups ("small": mean rows per expert <
 # SMALL_GROUP_ROWS, e.g. 256 experts x 192 rows) and large ones ("large": 32 experts x 1536 rows). GPU values:
-# scripts/bench/bench_moe.py's sweep on the H200 (benchmarks/RESULTS.md, issue 14); d_gate_up's large-group tile
-# from scripts/bench/tune_moe_d_gate_up.py (run 7: 421 vs 403 TFLOP/s at 32 experts).
+# scripts/bench/bench_moe.py's sweep on the H200 (benchmarks/RESULTS.md, issue 14); d_gate_up's from
+# scripts/bench/tune_moe_d_gate_up.py (run 7).
 SMALL_GROUP_ROWS = 512
 TUNE: dict[str, dict[str, Launch]] = {
     "gate_up": {"small": Launch(128, 128, 64, 8, 8, 4, True, 0), "large": Launch(128, 128, 64, 8, 8, 4, True, 0)},
     "down": {"small": Launch(128, 256, 64, 8, 8, 3, True, 2), "large": Launch(128, 256, 64, 8, 8, 3, True, 2)},
-    "d_gate_up": {"small": Launch(64, 128, 64, 8, 4, 4, True, 0), "large": Launch(128, 128, 64, 8, 8, 4, True, 0)},
+    "d_gate_up": {"small": Launch(128, 256, 64, 8, 8, 4, True, 0), "large": Launch(128, 256, 64, 8, 8, 3, True, 1)},
     "d_rows": {"small": Launch(128, 256, 64, 8, 8, 3, True, 2), "large": Launch(128, 256, 64, 8, 8, 3, True, 2)},
     "d_weight": {"small": Launch(128, 256, 64, 1, 8, 3, True, 2), "large": Launch(128, 256, 64, 1, 8, 3, True, 2)},
 }
+# fp32 operands (a test path on a GPU: IEEE dots on the FMA pipes) keep d_gate_up's earlier 64 x 128 tile: its
+# 128 x 256 tile spills tens of KB per thread there (sm90 compile).
+FP32_TUNE: dict[str, Launch] = {"d_gate_up": Launch(64, 128, 64, 8, 4, 4, True, 0)}
 INTERPRETER_TILE = (16, 16, 16, 1, 4, 1)  # numpy per op: small tiles, few masked lanes
 
 
@@ -139,15 +142,19 @@ INTERPRETER_TILE = (16, 16, 16, 1, 4, 1)  # numpy per op: small tiles, few maske
 def launch_overrides(**fields: Any) -> Iterator[None]:
     """Inside the block every GEMM's launch setting (both regimes) has ``fields`` replaced (e.g. ``tma=False``,
     ``persistent=2``): the tests and the bench compare load paths and grid kinds on the same tiles."""
-    saved = copy.deepcopy(TUNE)
+    saved, saved_fp32 = copy.deepcopy(TUNE), dict(FP32_TUNE)
     try:
         for role, regimes in TUNE.items():
             for regime, cfg in regimes.items():
                 TUNE[role][regime] = cfg._replace(**fields)
+        for role, cfg in saved_fp32.items():
+            FP32_TUNE[role] = cfg._replace(**fields)
         yield
     finally:
         TUNE.clear()
         TUNE.update(saved)
+        FP32_TUNE.clear()
+        FP32_TUNE.update(saved_fp32)
 
 
 def launch_config(role: str, rows: int, experts: int, dtype: str = "bfloat16") -> Launch:
@@ -161,6 +168,7 @@ def launch_config(role: str, rows: int, experts: int, dtype: str = "bfloat16") -
         return Launch(*INTERPRETER_TILE, tma=TUNE[role]["small"].tma, persistent=TUNE[role]["small"].persistent)
     if dtype != "float32":
         return cfg
+    cfg = FP32_TUNE.get(role, cfg)
     return cfg._replace(bk=max(16, cfg.bk // 2), bn=cfg.bn // 2 if role == "d_weight" and cfg.tma else cfg.bn)
 
 

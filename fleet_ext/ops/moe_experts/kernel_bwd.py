@@ -2,8 +2,8 @@
 
 Given ``d_out`` [N, D] and the forward's saved ``gate_up`` [N, 2I] (the pre-activation; ``h`` is not kept):
 
-1. ``_grouped_d_gate_up``: ``d_h = d_out_e @ W2[e]^T`` per row tile, and in the epilogue (two column halves, to
-   keep the registers in bounds) the clamped SwiGLU's backward from the saved ``gate_up``:
+1. ``_grouped_d_gate_up``: ``d_h = d_out_e @ W2[e]^T`` per row tile, and in the epilogue (column halves, quarters
+   from 256 columns, to keep the registers in bounds) the clamped SwiGLU's backward from the saved ``gate_up``:
    ``d_gate = d_h * up_c * silu'(gate_c) * [gate <= limit]``, ``d_up = d_h * silu(gate_c) * [|up| <= limit]``
    (``gate_c``, ``up_c`` clamped; the bounds pass the gradient, as Paddle's and torch's clip do). The same
    epilogue writes ``h`` again (recomputed from ``gate_up`` with the forward's code, so it equals the forward's
@@ -89,12 +89,31 @@ def _grouped_d_gate_up(dy_ptr, dy_desc, w_ptr, w_desc, counts_ptr, gu_ptr, dgu_p
         else:
             d_h, _ = _row_loop(dy_ptr, w_ptr + we.to(tl.int64) * sw_e, rows, read_end, cols, K, INTER, s_dy, sw_k,
                                sw_n, zero, zero, 0, False, BK, EVEN_K, EVEN_N, PREC)
-        d_h = tl.permute(tl.reshape(tl.where((rows < read_end)[:, None], d_h, 0.0), [BM, 2, BN // 2]), [0, 2, 1])
-        d_h0, d_h1 = tl.split(d_h)  # the epilogue in two column halves: half the live registers
-        _d_gate_up_store(d_h0, rows, tile_n * BN + tl.arange(0, BN // 2), read_end, write_end, gu_ptr, dgu_ptr,
-                         h_ptr, INTER, s_gu, s_h, limit, HAS_LIMIT)
-        _d_gate_up_store(d_h1, rows, tile_n * BN + BN // 2 + tl.arange(0, BN // 2), read_end, write_end, gu_ptr,
-                         dgu_ptr, h_ptr, INTER, s_gu, s_h, limit, HAS_LIMIT)
+        # the epilogue in column halves (quarters from 256 columns): fewer live registers
+        d_h0, d_h1 = _halves(tl.where((rows < read_end)[:, None], d_h, 0.0), BM, BN)
+        col0 = tile_n * BN
+        if BN >= 256:
+            part0, part1 = _halves(d_h0, BM, BN // 2)
+            _d_gate_up_store(part0, rows, col0 + tl.arange(0, BN // 4), read_end, write_end, gu_ptr, dgu_ptr, h_ptr,
+                             INTER, s_gu, s_h, limit, HAS_LIMIT)
+            _d_gate_up_store(part1, rows, col0 + BN // 4 + tl.arange(0, BN // 4), read_end, write_end, gu_ptr,
+                             dgu_ptr, h_ptr, INTER, s_gu, s_h, limit, HAS_LIMIT)
+            part0, part1 = _halves(d_h1, BM, BN // 2)
+            _d_gate_up_store(part0, rows, col0 + BN // 2 + tl.arange(0, BN // 4), read_end, write_end, gu_ptr,
+                             dgu_ptr, h_ptr, INTER, s_gu, s_h, limit, HAS_LIMIT)
+            _d_gate_up_store(part1, rows, col0 + 3 * BN // 4 + tl.arange(0, BN // 4), read_end, write_end, gu_ptr,
+                             dgu_ptr, h_ptr, INTER, s_gu, s_h, limit, HAS_LIMIT)
+        else:
+            _d_gate_up_store(d_h0, rows, col0 + tl.arange(0, BN // 2), read_end, write_end, gu_ptr, dgu_ptr, h_ptr,
+                             INTER, s_gu, s_h, limit, HAS_LIMIT)
+            _d_gate_up_store(d_h1, rows, col0 + BN // 2 + tl.arange(0, BN // 2), read_end, write_end, gu_ptr,
+                             dgu_ptr, h_ptr, INTER, s_gu, s_h, limit, HAS_LIMIT)
+
+
+@triton.jit
+def _halves(t, BM: tl.constexpr, W: tl.constexpr):
+    """The column halves ``[0, W / 2)`` and ``[W / 2, W)`` of ``t`` [BM, W] (a register split, no data movement)."""
+    return tl.split(tl.permute(tl.reshape(t, [BM, 2, W // 2]), [0, 2, 1]))
 
 
 @triton.jit
