@@ -239,6 +239,42 @@ def _time_compare(row: dict, fl: dict, fwd, bwd, bound) -> None:
         kernel.OVERRIDES.pop("partial")
 
 
+def _time_reduce_split(row: dict, fl: dict, bwd) -> None:
+    """--reduce-ab: the dkv reduce with one program per kv row (``kernel.REDUCE_CHUNK`` past any row's length) vs
+    long rows split into items (the default), three alternating rounds each; dkv's relative difference (rows of one
+    item keep their bytes); the per-kernel breakdown of both; launch settings of the reduce."""
+    runs: dict[str, list[float]] = {"whole": [], "split": []}
+    grads, breakdown = {}, {}
+    try:
+        for _ in range(3):
+            for mode, chunk in (("whole", 1 << 40), ("split", None)):
+                kernel.REDUCE_CHUNK = chunk
+                if mode not in grads:
+                    grads[mode] = bwd()
+                    breakdown[mode] = kernel_breakdown(bwd)
+                runs[mode].append(median_ms(bwd, warmup=5, rep=40))
+    finally:
+        kernel.REDUCE_CHUNK = None
+    dkv_w, dkv_s = grads["whole"][1].float(), grads["split"][1].float()
+    row["reduce_split_dkv_rel"] = float((dkv_s - dkv_w).norm() / dkv_w.norm())
+    row["reduce_split_other_bitwise"] = all(torch.equal(grads["whole"][k], grads["split"][k]) for k in (0, 2))
+    for mode in runs:
+        row[f"bwd_reduce_{mode}_ms"] = sorted(runs[mode])[1]
+        row[f"bwd_reduce_{mode}_tflops"] = fl["bwd"] / row[f"bwd_reduce_{mode}_ms"] / 1e9
+        row[f"breakdown_reduce_{mode}_ms"] = breakdown[mode]
+    saved = dict(kernel_config.REDUCE_CONFIG_GPU)
+    row["reduce_variants"] = {}
+    try:  # launch settings of the reduce (BLOCK_P and warps change the lanes, hence the bits)
+        for block_p, warps in ((16, 4), (16, 8), (32, 4), (32, 8)):
+            kernel_config.REDUCE_CONFIG_GPU.update(BLOCK_P=block_p, num_warps=warps)
+            ms = median_ms(bwd, warmup=5, rep=40)
+            red = kernel_breakdown(bwd).get("_bwd_dkv_reduce_kernel", float("nan"))
+            row["reduce_variants"][f"p{block_p}w{warps}"] = {"bwd_ms": ms, "reduce_ms": red}
+    finally:
+        kernel_config.REDUCE_CONFIG_GPU.clear()
+        kernel_config.REDUCE_CONFIG_GPU.update(saved)
+
+
 def _time_overrides(name: str, configs: dict, fn, warmup: int, rep: int, digits: int) -> dict:
     """Median ms of ``fn`` with each launch configuration of kernel ``name`` (errors recorded, not hidden)."""
     out = {}
@@ -383,6 +419,8 @@ def bench_shape(shape: dict, args, rows: list) -> None:
         row["bwd_breakdown_ms"] = kernel_breakdown(bwd)
     if args.variants:
         _time_variants(row, fwd, bwd)
+    if args.reduce_ab:
+        _time_reduce_split(row, fl, bwd)
     _print_row(shape, row)
     if args.baselines:
         _time_eager(row, fl, args, q, kv, idx, sink, d_out, scale, d_v)
@@ -401,6 +439,8 @@ def main() -> None:
     parser.add_argument("--compare", action="store_true",
                         help="also time without the trailing bound, with the old backward defaults, and with bf16 "
                              "dkv contributions; check the bound changes no byte")
+    parser.add_argument("--reduce-ab", action="store_true",
+                        help="the dkv reduce with one program per row vs long rows split (alternating rounds)")
     parser.add_argument("--eager-max-seq", type=int, default=4096)
     parser.add_argument("--dense", action="store_true", help="dense causal mode rows (bench_sparse_attn_dense.py)")
     parser.add_argument("--dense-shapes", nargs="*", default=[
@@ -466,6 +506,22 @@ def main() -> None:
             print(f"{r['shape']:16s} {r['valid_frac']:5.3f} {r['executed_frac']:5.3f}  {cell('fwd_nobound')}  "
                   f"{cell('fwd')}  {cell('bwd_olddefaults_nobound')}  {cell('bwd_nobound')}  {cell('bwd')}  "
                   f"{cell('bwd_bf16part')}  {r['bound_us']:8.1f}  {r['bound_bitwise']}")
+    if args.reduce_ab:
+        print("\n[reduce-ab] backward ms (TFLOP/s), middle of 3 alternating rounds; reduce (+ combine) kernel ms")
+        print("shape             bwd one per row   bwd rows split   gain   reduce whole  reduce split  combine  "
+              "dkv rel diff  dq/d_sink same")
+        for r in rows:
+            if "bwd_reduce_whole_ms" not in r:
+                continue
+            red_w = r["breakdown_reduce_whole_ms"].get("_bwd_dkv_reduce_kernel", float("nan"))
+            red_s = r["breakdown_reduce_split_ms"].get("_bwd_dkv_reduce_kernel", float("nan"))
+            comb = r["breakdown_reduce_split_ms"].get("_bwd_dkv_combine_kernel", 0.0)
+            print(f"{r['shape']:16s} {r['bwd_reduce_whole_ms']:7.2f} ({r['bwd_reduce_whole_tflops']:3.0f})    "
+                  f"{r['bwd_reduce_split_ms']:7.2f} ({r['bwd_reduce_split_tflops']:3.0f})   "
+                  f"{r['bwd_reduce_whole_ms'] / r['bwd_reduce_split_ms']:4.2f}x  {red_w:11.3f}  {red_s:11.3f}"
+                  f"  {comb:7.3f}  {r['reduce_split_dkv_rel']:.2e}      {r['reduce_split_other_bitwise']}")
+            print("    reduce settings (bwd ms / reduce ms): " + ", ".join(
+                f"{k} {v['bwd_ms']:.2f}/{v['reduce_ms']:.3f}" for k, v in r["reduce_variants"].items()))
     if dense_rows:
         from bench_sparse_attn_dense import print_dense_table
 

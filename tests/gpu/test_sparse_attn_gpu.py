@@ -255,6 +255,31 @@ def test_ws_forward_dense_causal(batch, seq, heads, n_keys, q_offset, d_qk):
                       f"dense B={batch} S={seq} H={heads} N={n_keys} offset={q_offset} d={d_qk}")
 
 
+def hca_index(seq: int, window: int = 128, ratio: int = 128) -> torch.Tensor:
+    """DSv4 HCA's table: the ``window`` latest raw keys, then every visible compressed entry (kv rows seq + c,
+    c < (t + 1) / ratio): the compressed rows are read by nearly every query."""
+    t = torch.arange(seq, device=DEV)[:, None]
+    win = t - (window - 1) + torch.arange(window, device=DEV)[None, :]
+    comp = torch.arange(seq // ratio, device=DEV)[None, :]
+    comp = torch.where(comp < (t + 1) // ratio, seq + comp, -1)
+    return torch.cat([torch.where(win >= 0, win, -1), comp], dim=1).to(torch.int32)
+
+
+@pytest.mark.parametrize("chunk", [None, 64], ids=["auto_items", "items_of_64_pairs"])
+def test_hca_rows_split_into_reduce_items(chunk, monkeypatch):
+    """DSv4 HCA at s 4096: its compressed rows hold up to 4096 pairs, so the dkv reduce splits them into items
+    (auto: 1024 pairs here; or 64) and adds the parts in order: within the reference's bounds, byte-identical run
+    to run (``check``), the combine kernel launched."""
+    monkeypatch.setattr(kernel, "REDUCE_CHUNK", chunk)
+    seq, heads = 4096, 64
+    q, kv, _, sink, d_out, d_lse = make_case(seq, heads, 512, 512, 160, 128, n_extra=seq // 128, seed=5)
+    idx = hca_index(seq)
+    assert kernel.reduce_chunk(seq * idx.shape[1], kv.shape[0]) == (chunk or 1024)
+    before = launch.LAUNCH_COUNTS["_bwd_dkv_combine_kernel"]
+    check(q, kv, idx, sink, 512, d_out, d_lse)
+    assert launch.LAUNCH_COUNTS["_bwd_dkv_combine_kernel"] > before
+
+
 def test_bf16_partials():
     # the inputs of test_production_shapes[v32_h128] (same seed): its printed fp32-contribution errors compare 1:1
     q, kv, idx, sink, d_out, d_lse = make_case(4096, 128, 576, 512, 2048, 128)

@@ -157,6 +157,43 @@ def test_backward_is_bitwise_deterministic():
         assert_bitwise(a, b, f"{name}, two runs")
 
 
+@pytest.mark.parametrize("max_partial_bytes", [4 << 30, 7000], ids=["one_query_chunk", "query_chunks"])
+def test_dkv_reduce_splits_long_rows_into_items(monkeypatch, max_partial_bytes):
+    """Rows with more pairs than ``REDUCE_CHUNK`` are summed by several programs, then their parts in order
+    (``_bwd_dkv_combine_kernel``): dkv within the oracle's bound, byte-identical run to run, and rows of at most
+    one item byte-identical to the unsplit reduce. Negative control: items mapped with a chunk one pair longer
+    than the reduce sums (a pair of every split row dropped) fail the oracle check."""
+    num_t, heads, d_qk, d_v, n_kv, width = 9, 3, 48, 32, 8, 6
+    q, kv, idx, sink, d_out, d_lse = make_case(31, num_t, heads, d_qk, d_v, n_kv, width, empty_rows=1)
+    idx[1:, 0] = n_kv - 1  # the last kv row read by every query but the empty one (like an HCA entry)
+    pairs = np.bincount(idx[(idx >= 0) & (idx < n_kv)], minlength=n_kv)
+    ref = oracle(q, kv, idx, sink, 0.3, d_v, d_out, d_lse)
+    whole = run_kernels(q, kv, idx, sink, 0.3, d_v, d_out, d_lse, max_partial_bytes=max_partial_bytes)
+    monkeypatch.setattr(kernel, "REDUCE_CHUNK", 3)
+    with expect_launches("_bwd_dkv_combine_kernel", "_csr_items_kernel"):
+        split = run_kernels(q, kv, idx, sink, 0.3, d_v, d_out, d_lse, max_partial_bytes=max_partial_bytes)
+    again = run_kernels(q, kv, idx, sink, 0.3, d_v, d_out, d_lse, max_partial_bytes=max_partial_bytes)
+    assert pairs.max() > 3 * 2 and (pairs <= 3).any()  # rows of one item and rows of several
+    for name, g, r in zip(("out", "lse", "dq", "dkv", "d_sink"), split, ref):
+        assert_close(g, r, "fp32", "triton_sparse_attn", what=f"split reduce: {name}")
+    for name, a, b in zip(("out", "lse", "dq", "dkv", "d_sink"), split, again):
+        assert_bitwise(a, b, f"split reduce, two runs: {name}")
+    if max_partial_bytes > 4000:  # one query chunk: a row's item count is its whole pair count's
+        short = pairs <= 3
+        assert_bitwise(split[3][short], whole[3][short], "rows of one item: split vs unsplit reduce")
+    real_launch = kernel.launch
+
+    def map_with_a_longer_chunk(fn, grid, *args, **kw):
+        if fn is kernel._csr_items_kernel:
+            args = (*args[:3], args[3] + 1)
+        return real_launch(fn, grid, *args, **kw)
+
+    monkeypatch.setattr(kernel, "launch", map_with_a_longer_chunk)
+    planted = run_kernels(q, kv, idx, sink, 0.3, d_v, d_out, d_lse, max_partial_bytes=max_partial_bytes)
+    with pytest.raises(AssertionError):
+        assert_close(planted[3], ref[3], "fp32", "triton_sparse_attn", what="planted: items of 4 pairs, sums of 3")
+
+
 def _bound_case(seed, num_t=12, heads=5, d_qk=48, d_v=32, n_kv=9, width=45):
     """Rows ending in -1 runs of every length (0 .. > 2 slot blocks of 16), interior holes, bad ids."""
     q, kv, idx, sink, d_out, d_lse = make_case(seed, num_t, heads, d_qk, d_v, n_kv, width, empty_rows=1,

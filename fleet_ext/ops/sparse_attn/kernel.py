@@ -40,8 +40,13 @@ fixed order, so the same inputs give byte-identical ``dq``, ``dkv`` and ``d_sink
 4. A transposed index (CSR) built once per query chunk: keys = kv row (``N`` for invalid pairs), a
    *stable* sort of the keys, ``rowptr`` by binary search (``_csr_keys``, ``_csr_rowptr``). The stable
    sort orders each row's pairs by (query, slot).
-5. ``_bwd_dkv_reduce``: one program per kv row sums its pairs' contributions in CSR order (fixed-size
-   lanes, then one tree reduction over the lanes) and adds the previous chunks' sum.
+5. ``_bwd_dkv_reduce``: one program per reduce item sums a run of at most ``reduce_chunk`` of a kv row's
+   pairs in CSR order (fixed-size lanes, then one tree reduction over the lanes); a row of one item (most
+   rows) is written there, with the previous chunks' sum added; a longer row's items are added in order by
+   ``_bwd_dkv_combine``. Without the split a row read by every query (a DSv4 HCA compressed entry) is one
+   program's long serial loop that trails the whole launch. The items are mapped on the device
+   (``_csr_items``: a scan of the row lengths, ``_csr_item_rows``); the grid is the bound
+   ``n_kv + cdiv(pairs, reduce_chunk)`` (no host read), programs past the total exit.
 
 Trailing bound (``row_bound``, on by default: ``derive_bound=True``): before any kernel, one small launch
 reads the index table once and writes, per row, the position of its last valid slot + 1 (``min``-ed with
@@ -76,10 +81,13 @@ from fleet_ext import capability
 from fleet_ext.ops.launch import dtype_name, empty_like, is_paddle, launch, shape_of, torch_view
 from fleet_ext.ops.sparse_attn import kernel_config
 from fleet_ext.ops.sparse_attn.kernel_bwd import (
+    _bwd_dkv_combine_kernel,
     _bwd_dkv_partial_kernel,
     _bwd_dkv_reduce_kernel,
     _bwd_dq_kernel,
     _bwd_preprocess_kernel,
+    _csr_item_rows_kernel,
+    _csr_items_kernel,
     _csr_keys_kernel,
     _csr_rowptr_kernel,
     _dsink_reduce_kernel,
@@ -311,6 +319,11 @@ class _PairBuffers:
     keys: Any
     rowptr: Any
     acc: Any  # the fp32 running dkv when there is more than one chunk, else dkv itself
+    reduce_chunk: int  # pairs per reduce item (``reduce_chunk``)
+    items_bound: int  # reduce items at most: n_kv + cdiv(pairs, reduce_chunk)
+    item_start: Any  # [n_kv + 1] int64: each row's first item, then the total
+    item_row: Any  # [items_bound] int32: each item's row
+    split: Any  # [items_bound, d_qk] fp32: the items' sums of rows with more than one item
 
 
 def _pair_buffers(q: Any, kv: Any, idx: Any, dkv: Any, num_t: int, heads: int, d_qk: int, n_kv: int, width: int,
@@ -332,9 +345,27 @@ def _pair_buffers(q: Any, kv: Any, idx: Any, dkv: Any, num_t: int, heads: int, d
     keys = empty_like(idx, [max(pairs, 1)], dtype=_framework_dtype(idx, "int32"))
     rowptr = empty_like(idx, [n_kv + 1], dtype=_framework_dtype(idx, "int64"))
     acc = empty_like(kv, [n_kv, d_qk], dtype=f32) if n_chunks > 1 else dkv
+    items_chunk = reduce_chunk(pairs, n_kv)
+    items_bound = n_kv + triton.cdiv(pairs, items_chunk)
+    item_start = empty_like(idx, [n_kv + 1], dtype=_framework_dtype(idx, "int64"))
+    item_row = empty_like(idx, [max(items_bound, 1)], dtype=_framework_dtype(idx, "int32"))
+    split = empty_like(kv, [max(items_bound, 1), d_qk], dtype=f32)
     if n_chunks == 0:
         n_chunks, chunk = 1, 0  # one pass of the reduce writes zeros
-    return _PairBuffers(chunk, n_chunks, h_pad, block_h, p_buf, ds_buf, part, keys, rowptr, acc)
+    return _PairBuffers(chunk, n_chunks, h_pad, block_h, p_buf, ds_buf, part, keys, rowptr, acc, items_chunk,
+                        items_bound, item_start, item_row, split)
+
+
+# Pairs per item of the dkv reduce: None picks ``max(1024, next_pow2(4 * pairs / rows))`` per query chunk (rows of
+# up to a few times the mean length stay one item: the same bytes as one program per row); tests set it small.
+REDUCE_CHUNK: int | None = None
+
+
+def reduce_chunk(pairs: int, n_kv: int) -> int:
+    """Pairs per reduce item: a row with more pairs is summed by several programs (then its parts in order)."""
+    if REDUCE_CHUNK is not None:
+        return REDUCE_CHUNK
+    return max(1024, _pow2(4 * triton.cdiv(pairs, max(n_kv, 1))))
 
 
 @dataclass(frozen=True)
@@ -417,9 +448,15 @@ def _bwd_chunk(call: _BwdCall, bufs: _PairBuffers, c: int) -> None:
     steps = max(1, int(n_pairs).bit_length() + 1)
     launch(_csr_rowptr_kernel, (triton.cdiv(n_kv + 1, 128),), sorted_keys, bufs.rowptr, n_pairs, n_kv + 1,
            STEPS=steps, BLOCK=128)
-    launch(_bwd_dkv_reduce_kernel, (n_kv,), bufs.part, order, bufs.rowptr, bufs.acc,
-           call.dkv if c == bufs.n_chunks - 1 else bufs.acc,
-           d_qk, D_V=d_v, D_TAIL=d_qk - d_v, ACCUMULATE=c > 0, **reduce_config())
+    out = call.dkv if c == bufs.n_chunks - 1 else bufs.acc
+    launch(_csr_items_kernel, (1,), bufs.rowptr, bufs.item_start, n_kv, bufs.reduce_chunk,
+           BLOCK=1024 if not capability.detect().interpreter else 16)
+    launch(_csr_item_rows_kernel, (triton.cdiv(n_kv, 128),), bufs.item_start, bufs.item_row, n_kv, BLOCK=128)
+    launch(_bwd_dkv_reduce_kernel, (bufs.items_bound,), bufs.part, order, bufs.rowptr, bufs.item_start,
+           bufs.item_row, bufs.split, bufs.acc, out, d_qk, bufs.reduce_chunk, n_kv, D_V=d_v, D_TAIL=d_qk - d_v,
+           ACCUMULATE=c > 0, **reduce_config())
+    launch(_bwd_dkv_combine_kernel, (n_kv,), bufs.split, bufs.item_start, bufs.acc, out, d_qk, D_V=d_v,
+           D_TAIL=d_qk - d_v, ACCUMULATE=c > 0)
 
 
 def sparse_attn_bwd(q: Any, kv: Any, idx: Any, sink: Any, scale: float, out: Any, lse: Any, d_out: Any,

@@ -215,17 +215,51 @@ def _csr_rowptr_kernel(SORTED, ROWPTR, NPAIRS, NROWS, STEPS: tl.constexpr, BLOCK
     tl.store(ROWPTR + j, lo, mask=j < NROWS)
 
 
+@triton.jit
+def _csr_items_kernel(ROWPTR, ITEM_START, NROWS, CHUNK, BLOCK: tl.constexpr):
+    """One program: ``ITEM_START[j]`` = the reduce items of the rows before j (exclusive scan, j = 0 .. NROWS; the
+    last entry is the total). Row j has ``max(1, cdiv(pairs_j, CHUNK))`` items of at most CHUNK pairs each."""
+    running = tl.zeros([], dtype=tl.int64)
+    for j0 in range(0, NROWS + 1, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        ok = j < NROWS
+        pairs = tl.load(ROWPTR + j + 1, mask=ok, other=0) - tl.load(ROWPTR + j, mask=ok, other=0)
+        items = tl.where(ok, tl.maximum((pairs + CHUNK - 1) // CHUNK, 1), 0)
+        tl.store(ITEM_START + j, running + tl.cumsum(items, 0) - items, mask=j <= NROWS)
+        running += tl.sum(items, 0)
+
+
+@triton.jit
+def _csr_item_rows_kernel(ITEM_START, ITEM_ROW, NROWS, BLOCK: tl.constexpr):
+    """``ITEM_ROW[i]`` = the row of reduce item i (each row writes its own items)."""
+    j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = j < NROWS
+    first = tl.load(ITEM_START + j, mask=ok, other=0)
+    items = tl.load(ITEM_START + j + 1, mask=ok, other=0) - first
+    for c in range(0, tl.max(items, 0)):
+        tl.store(ITEM_ROW + first + c, j.to(tl.int32), mask=ok & (c < items))
+
+
 # ------------------------------------------------------------------------------------------------------
 # Backward 5: dkv row j = sum of its pairs' contributions in CSR order (+ previous chunks)
 # ------------------------------------------------------------------------------------------------------
 @triton.jit
 def _bwd_dkv_reduce_kernel(
-    PART, ORDER, ROWPTR, ACC, OUT, stride_part,
+    PART, ORDER, ROWPTR, ITEM_START, ITEM_ROW, SPLIT, ACC, OUT, stride_part, CHUNK, NROWS,
     D_V: tl.constexpr, D_TAIL: tl.constexpr, BLOCK_P: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
-    j = tl.program_id(0).to(tl.int64)
-    start = tl.load(ROWPTR + j)
-    end = tl.load(ROWPTR + j + 1)
+    """Program i sums reduce item i: pairs ``[c CHUNK, (c + 1) CHUNK)`` of its row's CSR range (c = the item's
+    place in the row). A row of one item is written to ``OUT`` (+ ``ACC``) here; a longer row's items go to
+    ``SPLIT`` for ``_bwd_dkv_combine_kernel`` (so a row read by every query, e.g. a DSv4 HCA entry, is summed by
+    many programs, not one). Programs past the total exit."""
+    i = tl.program_id(0)
+    if i >= tl.load(ITEM_START + NROWS):
+        return
+    j = tl.load(ITEM_ROW + i).to(tl.int64)
+    first = tl.load(ITEM_START + j)
+    items = tl.load(ITEM_START + j + 1) - first
+    start = tl.load(ROWPTR + j) + (i - first) * CHUNK
+    end = tl.minimum(tl.load(ROWPTR + j + 1), start + CHUNK)
     offs_p = tl.arange(0, BLOCK_P)
     offs_d = tl.arange(0, D_V)
     acc = tl.zeros([BLOCK_P, D_V], dtype=tl.float32)
@@ -239,13 +273,41 @@ def _bwd_dkv_reduce_kernel(
         acc += tl.load(PART + src[:, None] + offs_d[None, :], mask=p_ok[:, None], other=0.0).to(tl.float32)
         if D_TAIL > 0:
             acc_e += tl.load(PART + src[:, None] + offs_e[None, :], mask=p_ok[:, None], other=0.0).to(tl.float32)
-    total = tl.sum(acc, 0)
-    row = j * stride_part
+    if items > 1:  # one part of a long row, summed in order by _bwd_dkv_combine_kernel
+        split = SPLIT + i.to(tl.int64) * stride_part
+        tl.store(split + offs_d, tl.sum(acc, 0))
+        if D_TAIL > 0:
+            tl.store(split + offs_e, tl.sum(acc_e, 0))
+    else:
+        _store_dkv_row(ACC, OUT, j * stride_part, offs_d, tl.sum(acc, 0), ACCUMULATE)
+        if D_TAIL > 0:
+            _store_dkv_row(ACC, OUT, j * stride_part, offs_e, tl.sum(acc_e, 0), ACCUMULATE)
+
+
+@triton.jit
+def _store_dkv_row(ACC, OUT, row, offs, total, ACCUMULATE: tl.constexpr):
+    """dkv[row, offs] = total (+ the previous query chunks' sum)."""
     if ACCUMULATE:
-        total = tl.load(ACC + row + offs_d) + total
-    tl.store(OUT + row + offs_d, total.to(OUT.dtype.element_ty))
-    if D_TAIL > 0:
-        total_e = tl.sum(acc_e, 0)
-        if ACCUMULATE:
-            total_e = tl.load(ACC + row + offs_e) + total_e
-        tl.store(OUT + row + offs_e, total_e.to(OUT.dtype.element_ty))
+        total = tl.load(ACC + row + offs) + total
+    tl.store(OUT + row + offs, total.to(OUT.dtype.element_ty))
+
+
+@triton.jit
+def _bwd_dkv_combine_kernel(SPLIT, ITEM_START, ACC, OUT, stride_part, D_V: tl.constexpr, D_TAIL: tl.constexpr,
+                            ACCUMULATE: tl.constexpr):
+    """dkv row j of more than one reduce item = the sum of its items' parts in order (+ previous chunks)."""
+    j = tl.program_id(0).to(tl.int64)
+    first = tl.load(ITEM_START + j)
+    items = tl.load(ITEM_START + j + 1) - first
+    if items > 1:
+        offs_d = tl.arange(0, D_V)
+        total = tl.zeros([D_V], dtype=tl.float32)
+        for c in range(0, items):
+            total += tl.load(SPLIT + (first + c) * stride_part + offs_d)
+        _store_dkv_row(ACC, OUT, j * stride_part, offs_d, total, ACCUMULATE)
+        if D_TAIL > 0:
+            offs_e = D_V + tl.arange(0, D_TAIL)
+            total_e = tl.zeros([D_TAIL], dtype=tl.float32)
+            for c in range(0, items):
+                total_e += tl.load(SPLIT + (first + c) * stride_part + offs_e)
+            _store_dkv_row(ACC, OUT, j * stride_part, offs_e, total_e, ACCUMULATE)
