@@ -277,8 +277,8 @@ FUSIONS: dict[str, Fusion] = {
         ),
         Fusion(
             switch="dsv4_q_rms_norm_fusion",
-            summary="weightless per-head q RMS norm, forward and backward (on CPU the rsqrt stays Paddle's: "
-            "its vectorised estimate is position-dependent)",
+            summary="weightless per-head q RMS norm, forward and backward (1 / sqrt from correctly rounded ops, "
+            "as the reference: position-independent, unlike Paddle CPU's rsqrt)",
             recompute_safe=_yes(_RECOMPUTE),
             cp_safe=_yes(*_CP),
             fused="fleet_ext.ops.q_rms_norm.function:q_rms_norm",
@@ -398,7 +398,7 @@ DERIVED_FUSIONS: dict[str, DerivedFusion] = {
             switch="q_norm_rope",
             requires=_PROLOGUE_SWITCHES,
             summary="q prologue: per-head weightless RMS norm + RoPE on the pe channels in one pass, forward and "
-            "backward (on CPU the rsqrt stays Paddle's, as in the q norm)",
+            "backward (the q norm's correctly rounded 1 / sqrt)",
             fused="fleet_ext.ops.qkv_prologue.function:q_norm_rope",
             reference="fleet_ext.ops.qkv_prologue.reference:q_norm_rope",
             recompute_safe=_yes(_RECOMPUTE),

@@ -138,7 +138,7 @@ def _tables() -> tuple[torch.Tensor, torch.Tensor]:
 
 def _eager_norm(x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
     xf = x.float()
-    normed = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + EPS)
+    normed = xf * (1 / torch.sqrt(xf.square().mean(-1, keepdim=True) + EPS))
     return (normed if w is None else w * normed).to(x.dtype)
 
 
@@ -467,11 +467,11 @@ def recompute_device_us(seq: int = 16384) -> list[dict]:
     w = torch.rand(D, device="cuda") + 0.5
     ops = [
         ("q rms norm", lambda keep: q_norm.q_rms_norm_fused(q, EPS, keep_r=keep),
-         lambda r: q_norm.q_rms_norm_bwd(dq, q, r, eps=EPS if r is None else None)),
+         lambda r: q_norm.q_rms_norm_bwd(dq, q, r, eps=EPS)),
         ("qkv prologue q", lambda keep: prologue.norm_rope_fused(q, EPS, cos, sin, keep_r=keep),
-         lambda r: prologue.norm_rope_bwd(dq, q, r, cos, sin, eps=EPS if r is None else None)),
+         lambda r: prologue.norm_rope_bwd(dq, q, r, cos, sin, eps=EPS)),
         ("qkv prologue kv", lambda keep: prologue.norm_rope_fused(kv, EPS, cos, sin, w, keep_r=keep),
-         lambda r: prologue.norm_rope_bwd(dkv, kv, r, cos, sin, w, eps=EPS if r is None else None)),
+         lambda r: prologue.norm_rope_bwd(dkv, kv, r, cos, sin, w, eps=EPS)),
     ]
     rows = []
     for name, fwd, bwd in ops:

@@ -53,21 +53,22 @@ def _q_rms_cases(kernel) -> list[dict]:
 
     def eager_fwd():
         xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype)
+        return (xf * (1 / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + EPS))).to(x.dtype)
 
     def eager_bwd():
         # what torch autograd runs for the forward above, op by op
         xf = x.float()
         g = dy.float()
         g_r = (g * xf).sum(-1, keepdim=True)
-        d_sq = (-0.5 * g_r * r.pow(3)) / d
+        s = torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)  # r = 1 / s: its gradient goes through s
+        d_sq = ((-g_r * (r * r)) / (2 * s)) / d
         return (g * r + d_sq * (2.0 * xf)).to(x.dtype)
 
     return [
         dict(name="q_rms_norm fwd", shape="[1, 16384, 64, 512] bf16", eager=eager_fwd,
              fused=lambda: kernel.q_rms_norm_fused(x, EPS), bytes_moved=2 * n * 2 + rows * 4),
         dict(name="q_rms_norm bwd", shape="[1, 16384, 64, 512] bf16", eager=eager_bwd,
-             fused=lambda: kernel.q_rms_norm_bwd(dy, x, r), bytes_moved=3 * n * 2 + rows * 4),
+             fused=lambda: kernel.q_rms_norm_bwd(dy, x, r, eps=EPS), bytes_moved=3 * n * 2 + rows * 4),
     ]
 
 
@@ -170,10 +171,10 @@ def check_kernels(q_kernel, shapes, dtypes) -> list[str]:
             x = (torch.randn(shape, generator=gen, device="cuda") * scale).to(dtype)
             g = torch.randn(shape, generator=gen, device="cuda").to(dtype)
             y, r = q_kernel.q_rms_norm_fused(x, EPS)
-            dx = q_kernel.q_rms_norm_bwd(g, x, r)
+            dx = q_kernel.q_rms_norm_bwd(g, x, r, eps=EPS)
             leaf = x.detach().clone().requires_grad_(True)
             xf = leaf.float()
-            r_e = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)
+            r_e = 1 / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)
             y_e = (xf * r_e).to(dtype)
             y_e.backward(g)
             exact = q_kernel.default_order(x).exact
@@ -214,15 +215,15 @@ def _sweep_q(q_kernel) -> list[tuple[str, float, int]]:
     rows.append(("copy x (bf16 1 GiB)", _time(lambda: x.clone()), 2 * n * 2))
     q_kernel.TUNE.clear()
     y_ref, r_ref = q_kernel.q_rms_norm_fused(x, EPS)
-    dx_ref = q_kernel.q_rms_norm_bwd(dy, x, r_ref)
+    dx_ref = q_kernel.q_rms_norm_bwd(dy, x, r_ref, eps=EPS)
     for rr, w in SWEEP_Q:
         q_kernel.TUNE.update(fwd_rows=rr, fwd_warps=w, bwd_rows=rr, bwd_warps=w)
         y, r = q_kernel.q_rms_norm_fused(x, EPS)
-        dx = q_kernel.q_rms_norm_bwd(dy, x, r)
+        dx = q_kernel.q_rms_norm_bwd(dy, x, r, eps=EPS)
         ok = torch.equal(_bits(y), _bits(y_ref)) and torch.equal(_bits(dx), _bits(dx_ref))
         tag = f"rows={rr} warps={w}{'' if ok else ' MISMATCH'}"
         rows.append((f"q_rms fwd {tag}", _time(lambda: q_kernel.q_rms_norm_fused(x, EPS)), fwd_bytes))
-        rows.append((f"q_rms bwd {tag}", _time(lambda r=r: q_kernel.q_rms_norm_bwd(dy, x, r)), bwd_bytes))
+        rows.append((f"q_rms bwd {tag}", _time(lambda r=r: q_kernel.q_rms_norm_bwd(dy, x, r, eps=EPS)), bwd_bytes))
     q_kernel.TUNE.clear()
     return rows
 

@@ -60,7 +60,7 @@ def _tables(seq: int, half: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _eager_norm(x: torch.Tensor, w: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.float()
-    r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + EPS)
+    r = 1 / torch.sqrt(xf.square().mean(-1, keepdim=True) + EPS)
     normed = xf * r
     return (normed if w is None else w * normed).to(x.dtype), r
 
@@ -70,7 +70,8 @@ def _eager_norm_grad(g: torch.Tensor, x: torch.Tensor, r: torch.Tensor, w: torch
     xf, gf = x.float(), g.float()
     dn = gf if w is None else gf * w
     dw = None if w is None else (gf * (xf * r)).sum((0, 1))
-    d_sq = (-0.5 * (dn * xf).sum(-1, keepdim=True) * r.pow(3)) / x.shape[-1]
+    s = torch.sqrt(xf.square().mean(-1, keepdim=True) + EPS)  # r = 1 / s: its gradient goes through s
+    d_sq = ((-(dn * xf).sum(-1, keepdim=True) * (r * r)) / (2 * s)) / x.shape[-1]
     return (dn * r + d_sq * (2.0 * xf)).to(x.dtype), dw
 
 
@@ -97,7 +98,7 @@ def _case(name: str, x: torch.Tensor, w: torch.Tensor | None, cos: torch.Tensor,
 
     def two_ops_bwd():
         g = rope_kernel.rope_grad(dy, cos, sin)
-        return q_kernel.q_rms_norm_bwd(g, x, r) if w is None else _eager_norm_grad(g, x, r, w)
+        return q_kernel.q_rms_norm_bwd(g, x, r, eps=EPS) if w is None else _eager_norm_grad(g, x, r, w)
 
     return [
         dict(name=f"{name} norm+rope fwd", shape=shape, eager=lambda: eager_rope(_eager_norm(x, w)[0], cos, sin),
@@ -105,7 +106,7 @@ def _case(name: str, x: torch.Tensor, w: torch.Tensor | None, cos: torch.Tensor,
              bytes_moved=2 * n + rows * 4 + gain + tables, goal=_goal),
         dict(name=f"{name} norm+rope bwd", shape=shape,
              eager=lambda: _eager_norm_grad(eager_rope(dy, cos, sin, inverse=True), x, r, w),
-             fused=lambda: prologue.norm_rope_bwd(dy, x, r, cos, sin, w), extra={"two_ops": two_ops_bwd},
+             fused=lambda: prologue.norm_rope_bwd(dy, x, r, cos, sin, w, eps=EPS), extra={"two_ops": two_ops_bwd},
              bytes_moved=3 * n + rows * 4 + 2 * gain + tables, goal=_goal),
     ]
 
@@ -211,7 +212,7 @@ def _kv_fwd(s: tuple):
 
 
 def _kv_bwd(s: tuple):
-    return prologue.norm_rope_bwd(s[1], s[0], s[5], s[3], s[4], s[2])
+    return prologue.norm_rope_bwd(s[1], s[0], s[5], s[3], s[4], s[2], eps=EPS)
 
 
 def _sweep_kv(seq: int, share: tuple[int, int] | None, lines: list) -> None:
@@ -251,15 +252,15 @@ def _sweep_q(share: tuple[int, int] | None, lines: list) -> None:
     xq, _, _, cos, sin = _inputs(SEQ)
     dy = torch.randn_like(xq)
     r = prologue.norm_rope_fused(xq, EPS, cos, sin)[1]
-    dx_ref = prologue.norm_rope_bwd(dy, xq, r, cos, sin)[0]
+    dx_ref = prologue.norm_rope_bwd(dy, xq, r, cos, sin, eps=EPS)[0]
     for i, settings in enumerate(Q_BWD):
         if share is not None:
             if i % share[1] == share[0]:
-                _with(settings, lambda: prologue.norm_rope_bwd(dy, xq, r, cos, sin))
+                _with(settings, lambda: prologue.norm_rope_bwd(dy, xq, r, cos, sin, eps=EPS))
             continue
-        same = torch.equal(_bits(_with(settings, lambda: prologue.norm_rope_bwd(dy, xq, r, cos, sin))[0]),
+        same = torch.equal(_bits(_with(settings, lambda: prologue.norm_rope_bwd(dy, xq, r, cos, sin, eps=EPS))[0]),
                            _bits(dx_ref))
-        us = _with(settings, lambda: _us(lambda: prologue.norm_rope_bwd(dy, xq, r, cos, sin)))
+        us = _with(settings, lambda: _us(lambda: prologue.norm_rope_bwd(dy, xq, r, cos, sin, eps=EPS)))
         label = " ".join(f"{k}={v}" for k, v in settings.items())
         lines.append(f"q s{SEQ} bwd {label:44} bench {us:7.1f} us  {3 * xq.numel() * 2 / us / 1e3:6.0f} GB/s"
                      f"{'' if same else '  MISMATCH vs the default'}")

@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # recompute_trace, beside this file
 
-from recompute_trace import BOOL, BYTES, F32, I32, I64, Shapes, T, Trace, promote  # noqa: E402
+from recompute_trace import BOOL, BYTES, F32, F64, I32, I64, Shapes, T, Trace, promote  # noqa: E402
 
 from fleet_ext.config import load_config, recompute_plan  # noqa: E402
 from fleet_ext.layer_kinds import LayerKind, kinds_of, layer_attention  # noqa: E402
@@ -53,16 +53,17 @@ MODULES = ("full_attn", "vha_postmix", "core_attn", "mhc", "moe", "moe_act")
 
 # -- norms, RoPE, mHC ---------------------------------------------------------------------------------------------
 def rms_normalize(tr: Trace, x: T, rows: int, name: str = "rms") -> T:
-    """``ops.q_rms_norm.reference.rms_normalize``: saves x in fp32 and the row statistic rsqrt(mean(x^2) + eps)."""
+    """``ops.q_rms_norm.reference.rms_normalize``: saves x in fp32 and, for ``inv_sqrt``, the row's fp64 square
+    root (its gradient) and ``r = 1 / sqrt(mean(x^2) + eps)`` (the reciprocal's)."""
     xf = tr.cast(x, F32)
-    tr.save(xf, tr.new(f"{name}.r", rows, F32))
+    tr.save(xf, tr.new(f"{name}.sqrt64", rows, F64), tr.new(f"{name}.r", rows, F32))
     return tr.cast(tr.new(f"{name}.y", x.numel, F32), x.dtype)
 
 
 def rms_norm(tr: Trace, x: T, rows: int) -> T:
     """``layers.norm.RMSNorm``: the weightless normalisation's saves, then ``gain * normed`` saves normed."""
     xf = tr.cast(x, F32, name=f"{x.name.split('#')[0]}:fp32")
-    tr.save(xf, tr.new("norm.r", rows, F32), tr.new("norm.normed", x.numel, F32))
+    tr.save(xf, tr.new("norm.sqrt64", rows, F64), tr.new("norm.r", rows, F32), tr.new("norm.normed", x.numel, F32))
     return tr.cast(tr.new("norm.y", x.numel, F32), x.dtype, name="norm.y")
 
 

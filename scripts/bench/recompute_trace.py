@@ -17,8 +17,8 @@ sys.path.insert(0, str(ROOT))
 
 from fleet_ext.layer_kinds import LayerKind, kinds_of  # noqa: E402
 
-BYTES = {"fp32": 4, "bf16": 2, "int64": 8, "int32": 4, "bool": 1}
-F32, I64, I32, BOOL = "fp32", "int64", "int32", "bool"
+BYTES = {"fp32": 4, "bf16": 2, "int64": 8, "int32": 4, "bool": 1, "fp64": 8}
+F32, I64, I32, BOOL, F64 = "fp32", "int64", "int32", "bool", "fp64"
 
 
 @dataclass(frozen=True)

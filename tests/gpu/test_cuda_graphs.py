@@ -114,13 +114,13 @@ def _cases() -> dict:
     def q_bwd():
         q, dy = x4(), x4()
         r = q_norm.q_rms_norm_fused(q, 1e-6)[1].clone()
-        return [q, dy], lambda: q_norm.q_rms_norm_bwd(dy, q, r)
+        return [q, dy], lambda: q_norm.q_rms_norm_bwd(dy, q, r, eps=1e-6)
 
     def prologue_bwd(kv: bool):
         x, dy = (kv3(), kv3()) if kv else (x4(), x4())
         w = (torch.rand(d, device=DEV) + 0.5) if kv else None
         r = prologue.norm_rope_fused(x, 1e-6, cos, sin, w)[1].clone()
-        return [x, dy], lambda: prologue.norm_rope_bwd(dy, x, r, cos, sin, w)
+        return [x, dy], lambda: prologue.norm_rope_bwd(dy, x, r, cos, sin, w, eps=1e-6)
 
     def q_bwd_recomputed():  # the training path: no r kept, the backward recomputes it from q
         q, dy = x4(), x4()

@@ -3,9 +3,9 @@
 Run on the H200 (torch + Triton, no Paddle): ``python -m pytest -q tests/gpu/test_qkv_prologue_gpu.py``.
 Skipped without CUDA.
 
-- **Eager torch sequence** (what the Paddle path runs, op by op): q: ``xf = x.float(); (xf * torch.rsqrt(
-  xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype)`` then the RoPE's eager sequence
-  (tests/helpers/torch_rope.py); kv: ``(w * (xf * rsqrt(..))).to(x.dtype)`` then the RoPE. Bitwise claims (where
+- **Eager torch sequence** (what the Paddle path runs, op by op): q: ``xf = x.float(); (xf * (1 / torch.sqrt(
+  xf.square().mean(-1, keepdim=True) + eps))).to(x.dtype)`` then the RoPE's eager sequence
+  (tests/helpers/torch_rope.py); kv: ``(w * (xf * (1 / sqrt(..)))).to(x.dtype)`` then the RoPE. Bitwise claims (where
   ``kernel.default_order`` says the order is modelled, ``order.exact``): ``y``, the fp32 ``r`` and ``dx`` (torch
   autograd of the sequence) byte for byte, the production shapes included. The kv gain's gradient is summed in a
   fixed blocked order, not torch's: within ``kv_prologue_dw`` (tests/helpers/tolerances.py) of float64 and of
@@ -79,7 +79,7 @@ def make(shape, dtype, seed=0, gain: bool = False):
 def eager(x, cos, sin, w=None):
     """The separate ops' eager sequence: ``(y, r)``."""
     xf = x.float()
-    r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + EPS)
+    r = 1 / torch.sqrt(xf.square().mean(-1, keepdim=True) + EPS)
     normed = xf * r
     return eager_rope((normed if w is None else w * normed).to(x.dtype), cos, sin), r
 
@@ -119,7 +119,7 @@ def test_q_bitwise_vs_eager_torch(kernel, shape, rd, what, dtype):
     y_eager, r_eager = eager(x, cos, sin)
     assert_bitwise(r, r_eager, f"r {what} {dtype}")
     assert_bitwise(y, y_eager, f"y {what} {dtype}")
-    dx, dw = kernel.norm_rope_bwd(g, x, r, cos, sin)
+    dx, dw = kernel.norm_rope_bwd(g, x, r, cos, sin, eps=EPS)
     assert dw is None
     assert_bitwise(dx, eager_grads(x, g, cos, sin)[0], f"dx {what} {dtype}")
     _check_recomputed_r(kernel, x, g, cos, sin, None, y, r, dx, None, f"{what} {dtype}")
@@ -171,11 +171,11 @@ def test_kv_vs_eager_torch_and_the_oracle(kernel, shape, rd, what, dtype):
     y_eager, r_eager = eager(x, cos, sin, w)
     assert_bitwise(r, r_eager, f"r {what} {dtype}")
     assert_bitwise(y, y_eager, f"y {what} {dtype}")
-    dx, dw = kernel.norm_rope_bwd(g, x, r, cos, sin, w)
+    dx, dw = kernel.norm_rope_bwd(g, x, r, cos, sin, w, eps=EPS)
     dx_eager, dw_eager = eager_grads(x, g, cos, sin, w)
     assert_bitwise(dx, dx_eager, f"dx {what} {dtype}")
     _dw_checks(kernel, dw, dw_eager, x, g, r, cos, sin, f"{what} {dtype}")
-    assert_bitwise(kernel.norm_rope_bwd(g, x, r, cos, sin, w)[1], dw, f"dw run to run {what}")
+    assert_bitwise(kernel.norm_rope_bwd(g, x, r, cos, sin, w, eps=EPS)[1], dw, f"dw run to run {what}")
     _check_recomputed_r(kernel, x, g, cos, sin, w, y, r, dx, dw_eager, f"{what} {dtype}")
 
 
@@ -186,7 +186,7 @@ def test_production_shapes(kernel, dtype):
     x, g, _ = make((1, 16384, 64, 512), dtype, seed=7)
     y, r = kernel.norm_rope_fused(x, EPS, cos, sin)
     assert_bitwise(y, eager(x, cos, sin)[0], "q y production")
-    dx = kernel.norm_rope_bwd(g, x, r, cos, sin)[0]
+    dx = kernel.norm_rope_bwd(g, x, r, cos, sin, eps=EPS)[0]
     assert_bitwise(dx, eager_grads(x, g, cos, sin)[0], "q dx production")
     _check_recomputed_r(kernel, x, g, cos, sin, None, y, r, dx, None, "q production")
     del x, g, y, r, dx
@@ -194,7 +194,7 @@ def test_production_shapes(kernel, dtype):
     x, g, w = make((1, 16384, 512), dtype, seed=8, gain=True)
     y, r = kernel.norm_rope_fused(x, EPS, cos, sin, w)
     assert_bitwise(y, eager(x, cos, sin, w)[0], "kv y production")
-    dx, dw = kernel.norm_rope_bwd(g, x, r, cos, sin, w)
+    dx, dw = kernel.norm_rope_bwd(g, x, r, cos, sin, w, eps=EPS)
     dx_eager, dw_eager = eager_grads(x, g, cos, sin, w)
     assert_bitwise(dx, dx_eager, "kv dx production")
     _dw_checks(kernel, dw, dw_eager, x, g, r, cos, sin, "production")
@@ -241,7 +241,7 @@ def test_vs_numpy_oracle(kernel, shape, rd, dtype):
     x, g, w = make(shape, dtype, seed=11, gain=len(shape) == 3)
     cos, sin, angles = tables(shape[1], rd)
     y, r = kernel.norm_rope_fused(x, EPS, cos, sin, w)
-    dx, _ = kernel.norm_rope_bwd(g, x, r, cos, sin, w)
+    dx, _ = kernel.norm_rope_bwd(g, x, r, cos, sin, w, eps=EPS)
     y64, dx64 = _oracle(x, g, w, angles)
     row_max = np.abs(y64).max(-1, keepdims=True)
     assert_close(y, y64, _table(dtype), "qkv_prologue_y", what="y", scale=row_max)
@@ -255,8 +255,8 @@ def test_deterministic(kernel):
         y1, r1 = kernel.norm_rope_fused(x, EPS, cos, sin, w)
         y2, r2 = kernel.norm_rope_fused(x, EPS, cos, sin, w)
         assert_bitwise(y1, y2, "y")
-        for a, b, what in zip(kernel.norm_rope_bwd(g, x, r1, cos, sin, w), kernel.norm_rope_bwd(g, x, r2, cos, sin, w),
-                              ("dx", "dw")):
+        for a, b, what in zip(kernel.norm_rope_bwd(g, x, r1, cos, sin, w, eps=EPS),
+                              kernel.norm_rope_bwd(g, x, r2, cos, sin, w, eps=EPS), ("dx", "dw")):
             if a is not None:
                 assert_bitwise(a, b, what)
 
@@ -280,8 +280,8 @@ def test_kv_backward_plans(kernel, monkeypatch, settings, fused, dtype):
     cos, sin, _ = tables(150, 64)
     y, r = kernel.norm_rope_fused(x, EPS, cos, sin, w)
     with expect_launches("_norm_rope_bwd_kernel", "_dw_reduce_kernel", exactly=2):
-        dx, dw = kernel.norm_rope_bwd(g, x, r, cos, sin, w)
-        dx_2, dw_2 = kernel.norm_rope_bwd(g, x, r, cos, sin, w)
+        dx, dw = kernel.norm_rope_bwd(g, x, r, cos, sin, w, eps=EPS)
+        dx_2, dw_2 = kernel.norm_rope_bwd(g, x, r, cos, sin, w, eps=EPS)
     plan = next(p for k, p in kernel._BWD_PLANS.items() if k[0] == kernel.layout_key(g) and k[-1] == kernel._tuning())
     assert plan.meta["DW_FUSED"] is fused and plan.info[2] > 1, (plan.meta, plan.info)
     assert (kernel.norm_rope_fused(x, EPS, cos, sin, w, keep_r=False)[1] is None) is fused  # dedicated: r kept

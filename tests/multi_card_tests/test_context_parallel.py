@@ -38,10 +38,12 @@ from tests.helpers.configs import TINY_HYBRID_MLA, move_constant_inits, tiny_mod
 from tests.helpers.tolerances import tolerance  # noqa: E402
 
 SEQ, BATCH, CP = 64, 2, 2
-# The -2 layers on interpreted Triton kernels run 32 tokens (at 64 they took ~50 s of CI): chunks of 16 still take the
-# window halo (8) and the indexer's top-k (6), and rank 1's keys span two 16-slot tiles. dsv4_triton stays at 64: at 32
-# the HCA layer's CP=2 logits are not bitwise those of CP=1 (~3e-7 relative, with the unfused backend too).
-SHORT_SEQ_CASES = ("mla_sparse_triton", "mla_warmup_triton")
+# Sequence lengths other than SEQ. The -2 layers on interpreted Triton kernels run 32 tokens (at 64 they took ~50 s of
+# CI): chunks of 16 still take the window halo (8) and the indexer's top-k (6), and rank 1's keys span two 16-slot
+# tiles. dsv4_seq32 / dsv4_seq48: the lengths at which CP=2 once missed one process by ~3e-7 relative (Paddle CPU's
+# rsqrt depends on an element's place in its vectorised loop, and a rank's [.., 1] norm statistics are shorter than one
+# process's; the norms now take 1/sqrt from correctly rounded ops, fleet_ext.ops.q_rms_norm.reference.inv_sqrt).
+CASE_SEQ = {"mla_sparse_triton": 32, "mla_warmup_triton": 32, "dsv4_seq32": 32, "dsv4_seq48": 48}
 DSV4 = {"csa_compress_ratios": [0, 4, 128, -1], "hca_compress_ratio": 8, "dsa_index_topk": 5,
         "moe_router_load_balancing_type": "seq_aux_loss", "moe_aux_loss_coeff": 0.01}
 FUSED = {"apply_rope_fusion": True, "fuse_inv_rope_into_vha_postmix": True, "use_vha_attention": True,
@@ -52,6 +54,8 @@ DSA = {"hybrid_mla_attention": "mqa_dsa", "dsa_indexer_loss_coeff": 0.1}
 DUAL = {**MLA, **DSA, "dsa_indexer_use_sparse_loss": True, "mqa_indexer_cp_mode": "dualchunk_p2p"}
 CASES = {
     "dsv4_kinds": DSV4,
+    "dsv4_seq32": DSV4,
+    "dsv4_seq48": DSV4,
     "csa_dense": {**DSV4, "csa_dense_mode": True},
     "csa_kl": {**DSV4, "dsa_indexer_loss_coeff": 0.1},  # the CSA indexer KL: rows of the whole sequence
     "dsv4_fused": {**DSV4, **FUSED},
@@ -128,7 +132,7 @@ def _build(name: str, overrides: dict):
     from fleet_ext.config import load_config
     from fleet_ext.models import DSv4ForCausalLM
 
-    seq = SEQ // 2 if name in SHORT_SEQ_CASES else SEQ
+    seq = CASE_SEQ.get(name, SEQ)
     config = load_config({**tiny_model(**overrides), "context_parallel_size": CP, "max_seq_len": seq,
                           "max_position_embeddings": 4 * SEQ})
     paddle.seed(7)

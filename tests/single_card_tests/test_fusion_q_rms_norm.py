@@ -1,16 +1,17 @@
 """Fused weightless q RMS norm (Triton, interpreter on CPU) vs the Paddle reference: bitwise, fp32.
 
 The claim (registry ``bitwise_equal``) on CPU is forward AND backward byte-equal to the reference (the
-backward being Paddle autograd of ``xf * rsqrt(mean(xf^2) + eps)``). The kernels reproduce Paddle CPU's
-row sum (sequential fp32) and gradient formula op for op; the rsqrt is Paddle's own (``function.py``).
+backward being Paddle autograd of ``xf * inv_sqrt(mean(xf^2) + eps)``, ``reference.inv_sqrt``: ``1 / sqrt``
+from correctly rounded ops). The kernels reproduce Paddle CPU's row sum (sequential fp32) and gradient formula
+op for op; ``r`` is the reference's own ``inv_sqrt`` (``function.py``).
 Tested over many head widths (1 .. 512, odd ones included), several programs, non-contiguous q, zero
 rows, large and tiny magnitudes, and through an upstream matmul so the parameter gradient is compared.
 
 The GPU configuration (torch CUDA's reduction order, one fused kernel) is exercised here too, in the
 interpreter on torch CPU tensors, against a literal NumPy simulation of ``Reduce.cuh``'s threads (written
-from the CUDA source, not from the kernel's reshape/split formulation): bitwise, with the interpreter's
-``rsqrt`` (``1/sqrt`` in fp32) standing in for the GPU's. The real GPU comparison is tests/gpu. Every test of
-the fused function counts the forward and backward kernels' launches.
+from the CUDA source, not from the kernel's reshape/split formulation): bitwise, ``1 / sqrt`` correctly rounded
+as on the GPU (``div_rn(1, sqrt_rn(v))``, torch's ``1 / torch.sqrt``). The real GPU comparison is tests/gpu.
+Every test of the fused function counts the forward and backward kernels' launches.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def test_bitwise_forward_and_backward_over_widths(d):
 def test_many_rows_several_programs_and_edge_magnitudes():
     rng = np.random.default_rng(5)
     x = rng.standard_normal((3, 7, 5, 40)).astype(F32)  # 105 rows: two programs of 64
-    x[0, 0, 0] = 0.0  # mean 0: r = rsqrt(eps), y = 0, gradient through eps only
+    x[0, 0, 0] = 0.0  # mean 0: r = 1 / sqrt(eps), y = 0, gradient through eps only
     x[1, 2, 3] *= 1e18  # large
     x[2, 6, 4] *= 1e-18  # sum of squares below eps
     x[0, 1, 1, ::2] = 0.0
@@ -246,15 +247,17 @@ def test_gpu_configuration_matches_a_simulation_of_torch_cuda(lead, d, variant):
     xt = torch.from_numpy(x)
     with expect_launches(FWD, exactly=1):
         y, r = kernel.q_rms_norm_fused(xt, EPS, order)
-    dx = kernel.q_rms_norm_bwd(torch.from_numpy(g), xt, r, order)
+    dx = kernel.q_rms_norm_bwd(torch.from_numpy(g), xt, r, order, eps=EPS)
     x2, g2 = x.reshape(rows, d), g.reshape(rows, d)
     eps = F32(EPS)
     vec = d >= vec_min_d
     ms = cuda_row_sum(x2 * x2, order.lanes, vec, halving) * F32(order.mean_factor)  # MeanOps::project: a * factor
-    r_ref = F32(1) / np.sqrt(ms + eps)  # the interpreter's rsqrt (the GPU: rsqrt.approx.f32)
+    s_ref = np.sqrt(ms + eps)  # fp32 IEEE sqrt, then IEEE division: torch.sqrt and 1 / s on CUDA
+    r_ref = F32(1) / s_ref
     y_ref = x2 * r_ref[:, None]
     g_r = cuda_row_sum(g2 * x2, order.lanes, vec, halving)  # MulBackward's sum_to_size, same reduction
-    d_ms = (g_r * F32(-0.5)) * ((r_ref * r_ref) * r_ref)  # -0.5 * grad * result.pow(3)
+    d_s = (-g_r) * (r_ref * r_ref)  # reciprocal_backward: -grad * (result * result)
+    d_ms = d_s / (s_ref * F32(2))  # sqrt_backward: grad / (2 * result)
     d_sq = d_ms * F32(order.inv_d)  # mean_backward: / d as a multiply by fp32(1/d)
     dx_ref = g2 * r_ref[:, None] + d_sq[:, None] * (x2 * F32(2))  # + pow_backward
     assert_bitwise(r.numpy().reshape(rows), r_ref, f"r {order.name}")
@@ -297,14 +300,14 @@ def test_gpu_block_sizes_in_the_interpreter(monkeypatch, lead, d):
         assert tiny == cfg
     xt = torch.from_numpy(x)
     y, r = kernel.q_rms_norm_fused(xt, EPS, order)
-    dx = kernel.q_rms_norm_bwd(torch.from_numpy(g), xt, r, order)
+    dx = kernel.q_rms_norm_bwd(torch.from_numpy(g), xt, r, order, eps=EPS)
     monkeypatch.setattr(kernel, "FWD_TINY", False)
     y_default, r_default = kernel.q_rms_norm_fused(xt, EPS, order)
     assert_bitwise(y_default.numpy(), y.numpy(), "y, default geometry")
     assert_bitwise(r_default.numpy(), r.numpy(), "r, default geometry")
     monkeypatch.undo()
     y2, r2 = kernel.q_rms_norm_fused(xt, EPS, order)
-    dx2 = kernel.q_rms_norm_bwd(torch.from_numpy(g), xt, r2, order)
+    dx2 = kernel.q_rms_norm_bwd(torch.from_numpy(g), xt, r2, order, eps=EPS)
     for a, b, what in ((y, y2, "y"), (r, r2, "r"), (dx, dx2, "dx")):
         assert_bitwise(a.numpy(), b.numpy(), what)
 
@@ -317,13 +320,13 @@ def test_one_pass_and_streamed_kernels_agree():
     order = kernel.torch_cuda_order(30, 512)
     assert kernel._one_pass(512, order)
     y, r = kernel.q_rms_norm_fused(x, EPS, order)
-    dx = kernel.q_rms_norm_bwd(g, x, r, order)
+    dx = kernel.q_rms_norm_bwd(g, x, r, order, eps=EPS)
     streamed = kernel.MAX_TILES
     try:
         kernel.MAX_TILES = 0
         assert not kernel._one_pass(512, order)
         y2, r2 = kernel.q_rms_norm_fused(x, EPS, order)
-        dx2 = kernel.q_rms_norm_bwd(g, x, r2, order)
+        dx2 = kernel.q_rms_norm_bwd(g, x, r2, order, eps=EPS)
     finally:
         kernel.MAX_TILES = streamed
     for a, b, what in ((y, y2, "y"), (r, r2, "r"), (dx, dx2, "dx")):
@@ -349,7 +352,7 @@ def test_backward_recomputes_the_forwards_r_bitwise(lead, d):
     with expect_launches(FWD, exactly=2), expect_launches(BWD, exactly=2):
         y, r = kernel.q_rms_norm_fused(x, EPS, order)
         y_no_r, no_r = kernel.q_rms_norm_fused(x, EPS, order, keep_r=False)
-        dx = kernel.q_rms_norm_bwd(g, x, r, order)
+        dx = kernel.q_rms_norm_bwd(g, x, r, order, eps=EPS)
         r_bwd = torch.full_like(r, -1.0)  # poisoned: every row must be written
         dx_rc = kernel.q_rms_norm_bwd(g, x, None, order, eps=EPS, r_out=r_bwd)
     assert no_r is None
@@ -369,8 +372,10 @@ def test_recomputing_r_needs_eps_and_a_one_pass_plan(monkeypatch):
     order = kernel.torch_cuda_order(6, 64)
     with pytest.raises(ValueError, match=r"needs the forward's `eps`"):
         kernel.q_rms_norm_bwd(g, x, None, order)
+    with pytest.raises(ValueError, match=r"`r` is given, and the gradient .* needs the forward's `eps`"):
+        kernel.q_rms_norm_bwd(g, x, torch.ones(1, 2, 3, 1), order)  # sqrt(ms + eps): r does not determine it
     with pytest.raises(ValueError, match=r"`r_out` receives a recomputed r"):
-        kernel.q_rms_norm_bwd(g, x, torch.ones(1, 2, 3, 1), order, r_out=torch.ones(1, 2, 3, 1))
+        kernel.q_rms_norm_bwd(g, x, torch.ones(1, 2, 3, 1), order, eps=EPS, r_out=torch.ones(1, 2, 3, 1))
     assert kernel.q_rms_norm_fused(x, EPS, kernel.paddle_cpu_order(), keep_r=False)[1] is not None
     monkeypatch.setattr(kernel, "MAX_TILES", 0)  # the streamed kernels
     assert kernel.q_rms_norm_fused(x, EPS, order, keep_r=False)[1] is not None
@@ -405,4 +410,4 @@ def test_the_gpu_training_path_keeps_no_r(monkeypatch):
     order = kernel.torch_cuda_order(12, 512)
     y_ref, r = fwd(torch.from_numpy(x), EPS, order)
     assert_bitwise(y, y_ref.numpy(), "y")
-    assert_bitwise(dx, bwd(torch.from_numpy(g), torch.from_numpy(x), r, order).numpy(), "dx")
+    assert_bitwise(dx, bwd(torch.from_numpy(g), torch.from_numpy(x), r, order, eps=EPS).numpy(), "dx")

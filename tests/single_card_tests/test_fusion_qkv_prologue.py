@@ -4,8 +4,8 @@ CPU fp32, Triton interpreter. The claims (registry ``DERIVED_FUSIONS``): forward
 gradient included) byte-equal to the composition of the two ops, both as pure Paddle (``reference.py``) and as
 the two fused ops the switches select one by one; the fused path launches one prologue kernel each way where the
 separate path launches the norm's and the RoPE's (the forward keeps the q norm's statistics launch on the CPU,
-where the rsqrt stays Paddle's). Then: odd widths, per-batch tables, non-contiguous inputs, the provider's
-resolution and start-up rows, and the DSv4 attention layer of every kind built twice from one seed (both
+where ``r`` is the reference's own ``inv_sqrt``). Then: odd widths, per-batch tables, non-contiguous inputs, the
+provider's resolution and start-up rows, and the DSv4 attention layer of every kind built twice from one seed (both
 switches on: the prologue launched; vs both off) byte for byte.
 
 The GPU configuration (torch CUDA's order, the one-pass kernels, the gain gradient's blocked order with its
@@ -158,7 +158,7 @@ def test_kv_through_an_upstream_matmul_and_a_strided_view():
 
 
 def _edge_rows(shape) -> tuple[np.ndarray, np.ndarray]:
-    """A zero row (r = rsqrt(eps)), a row whose mean square overflows (r = 0), a tiny row, a row of zero gradient."""
+    """A zero row (r = 1 / sqrt(eps)), a row whose mean square overflows (r = 0), a tiny row, a row of zero gradient."""
     x = _scaled(shape, 4)
     x[0, 0] = 0.0
     x[1, 2] *= 1e19
@@ -246,7 +246,8 @@ def _compose_torch_order(x, g, cos, sin, w, order):
     y = rope_kernel.rope(w * normed if w is not None else normed, cos, sin)
     g_rope = rope_kernel.rope_grad(g, cos, sin)
     g_norm = g_rope * w if w is not None else g_rope
-    dx = q_kernel.q_rms_norm_bwd(g_norm if x.ndim == 4 else g_norm.unsqueeze(2), x4, r, order).reshape(x.shape)
+    dx = q_kernel.q_rms_norm_bwd(g_norm if x.ndim == 4 else g_norm.unsqueeze(2), x4, r, order,
+                                 eps=EPS).reshape(x.shape)
     return y, r.reshape(kernel._rows_shape(x)), dx, g_rope
 
 
@@ -260,7 +261,7 @@ def test_gpu_configuration_is_bitwise_the_two_kernels_in_torch_order(lead, d, rd
     order = q_kernel.torch_cuda_order(int(np.prod(lead)), d)
     with expect_launches(FWD, exactly=1), expect_launches(STATS, *SEPARATE, exactly=0):
         y, r = kernel.norm_rope_fused(x, EPS, cos, sin, w, order)
-    dx, dw = kernel.norm_rope_bwd(g, x, r, cos, sin, w, order)
+    dx, dw = kernel.norm_rope_bwd(g, x, r, cos, sin, w, order, eps=EPS)
     y_ref, r_ref, dx_ref, g_rope = _compose_torch_order(x, g, cos, sin, w, order)
     for got, want, what in ((r, r_ref, "r"), (y, y_ref, "y"), (dx, dx_ref, "dx")):
         assert_bitwise(got, want, f"{what} {order.name}")
@@ -288,7 +289,7 @@ def test_one_pass_and_streamed_kernels_agree(monkeypatch, lead):
         monkeypatch.setattr(q_kernel, "MAX_TILES", max_tiles)
         assert kernel._config(512, order, kernel.PHASE_FUSED, backward=True)["ONE_PASS"] is (max_tiles > 0)
         y, r = kernel.norm_rope_fused(x, EPS, cos, sin, w, order)
-        results.append((y, r, *kernel.norm_rope_bwd(g, x, r, cos, sin, w, order)))
+        results.append((y, r, *kernel.norm_rope_bwd(g, x, r, cos, sin, w, order, eps=EPS)))
     for a, b, what in zip(*results, ("y", "r", "dx", "dw")):
         if a is not None:
             assert_bitwise(b, a, f"{what}: streamed vs one pass")
@@ -304,15 +305,15 @@ def test_gpu_gain_gradient_plan_segments_and_reduction(monkeypatch):
     cos, sin = (torch.from_numpy(t.numpy()) for t in _tables(2, 150, 8))
     order = kernel.default_order(x)
     y, r = kernel.norm_rope_fused(x, EPS, cos, sin, w, order)
-    dx_seq, dw_seq = kernel.norm_rope_bwd(g, x, r, cos, sin, w, order)
+    dx_seq, dw_seq = kernel.norm_rope_bwd(g, x, r, cos, sin, w, order, eps=EPS)
     monkeypatch.setattr(kernel, "is_interpreted", lambda: False)
     monkeypatch.setitem(kernel.TUNE, "dw_programs", 24)
     monkeypatch.setitem(kernel.TUNE, "dw_reduce_segments", 4)
     block_c, step, n_seg, seg_rows = kernel._dw_plan(300, 64)
     assert n_seg > 4 and step > 1, (block_c, step, n_seg, seg_rows)
     with expect_launches("_dw_reduce_kernel", BWD, exactly=2):
-        dx_1, dw_1 = kernel.norm_rope_bwd(g, x, r, cos, sin, w, order)
-        dx_2, dw_2 = kernel.norm_rope_bwd(g, x, r, cos, sin, w, order)
+        dx_1, dw_1 = kernel.norm_rope_bwd(g, x, r, cos, sin, w, order, eps=EPS)
+        dx_2, dw_2 = kernel.norm_rope_bwd(g, x, r, cos, sin, w, order, eps=EPS)
     assert_bitwise(dx_1, dx_seq, "dx, GPU plan")
     assert_bitwise(dw_2, dw_1, "dw run to run")
     g_rope = rope_kernel.rope_grad(g, cos, sin).double()
@@ -335,15 +336,15 @@ def test_gpu_fused_gain_gradient_plan(monkeypatch):
     cos, sin = (torch.from_numpy(t.numpy()) for t in _tables(2, 37, 32))
     order = q_kernel.torch_cuda_order(74, 512)
     _, r = kernel.norm_rope_fused(x, EPS, cos, sin, w, order)
-    dx_ref, _ = kernel.norm_rope_bwd(g, x, r, cos, sin, w, order)  # interpreted: the dedicated gain programs
+    dx_ref, _ = kernel.norm_rope_bwd(g, x, r, cos, sin, w, order, eps=EPS)  # interpreted: the dedicated gain programs
     monkeypatch.setattr(kernel, "is_interpreted", lambda: False)
     monkeypatch.setitem(kernel.TUNE, "kv_bwd_rows", 8)
     monkeypatch.setitem(kernel.TUNE, "reduce_segments", 4)
     with expect_launches(BWD, "_dw_reduce_kernel", exactly=2):
-        dx_1, dw_1 = kernel.norm_rope_bwd(g, x, r, cos, sin, w, order)
-        dx_2, dw_2 = kernel.norm_rope_bwd(g, x, r, cos, sin, w, order)
+        dx_1, dw_1 = kernel.norm_rope_bwd(g, x, r, cos, sin, w, order, eps=EPS)
+        dx_2, dw_2 = kernel.norm_rope_bwd(g, x, r, cos, sin, w, order, eps=EPS)
     plan = kernel._BWD_PLANS[(kernel.layout_key(g), kernel.layout_key(x), kernel.layout_key(r), kernel.layout_key(cos),
-                              kernel.layout_key(sin), kernel.layout_key(w), order, None, None, kernel._tuning())]
+                              kernel.layout_key(sin), kernel.layout_key(w), order, EPS, None, kernel._tuning())]
     assert plan.meta["DW_FUSED"] and plan.grid == (10,) and plan.meta["BLOCK_R"] == 8, (plan.grid, plan.meta)
     assert plan.info[3].grid == (512 // kernel.REDUCE_BLOCK_C,) and plan.info[3].meta["BLOCK_S"] == 4
     assert_bitwise(dx_1, dx_ref, "dx, fused gain plan")
@@ -446,7 +447,7 @@ def test_backward_recomputes_the_forwards_r_bitwise(monkeypatch, lead, d, rd):
     with expect_launches(FWD, exactly=2), expect_launches(BWD, exactly=2):
         y, r = kernel.norm_rope_fused(x, EPS, cos, sin, w, order)
         y_no_r, no_r = kernel.norm_rope_fused(x, EPS, cos, sin, w, order, keep_r=False)
-        dx, dw = kernel.norm_rope_bwd(g, x, r, cos, sin, w, order)
+        dx, dw = kernel.norm_rope_bwd(g, x, r, cos, sin, w, order, eps=EPS)
         r_bwd = torch.full_like(r, -1.0)  # poisoned: every row must be written
         dx_rc, dw_rc = kernel.norm_rope_bwd(g, x, None, cos, sin, w, order, eps=EPS, r_out=r_bwd)
     assert no_r is None
@@ -505,6 +506,6 @@ def test_the_gpu_training_path_keeps_no_r(monkeypatch, kv):
     xt, gt, wt = torch.from_numpy(x), torch.from_numpy(g), None if w is None else torch.from_numpy(w)
     ct, st = (torch.from_numpy(t.numpy()) for t in (cos, sin))
     y, r = fwd(xt, EPS, ct, st, wt, order)
-    dx, dw = bwd(gt, xt, r, ct, st, wt, order)
+    dx, dw = bwd(gt, xt, r, ct, st, wt, order, eps=EPS)
     want = {"y": y.numpy(), "dx": dx.numpy(), **({"dw": dw.numpy()} if kv else {})}
     _same(got, want, "GPU training path")

@@ -30,6 +30,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fleet_ext import capability
 from fleet_ext.ops.launch import route_of, shape_of, strides_of, torch_view
+from fleet_ext.ops.multiprocessors import multiprocessor_count
 
 RAGGED_ROWS = tl.constexpr(2**30)  # the ragged descriptor's row extent: a segment's rows sit at [2**30 - rows, 2**30)
 RAGGED_OUTER = 0x7FFF0000  # extent of its two leading (address-wrapping) dimensions
@@ -254,7 +255,6 @@ def ragged_descriptor(tensor: Any, block_rows: int, block_cols: int, gluon: bool
     return _make_descriptor(base, shape, [2**34 - stride, stride, stride, 1], [1, 1, block_rows, block_cols], gluon)
 
 
-_PROGRAMS: list[int] = []
 PATH_COUNTS: collections.Counter[tuple[str, str, str]] = collections.Counter()
 GRID_KINDS = ("per tile", "persistent", "persistent flattened")
 
@@ -267,14 +267,7 @@ def count_path(kernel: Any, tma: bool, persistent: int) -> None:
 
 def program_count(kernel: Any) -> int:
     """Programs of a persistent grid: one per multiprocessor (3 in the interpreter, so programs loop over tiles)."""
-    if type(kernel).__name__ == "InterpretedFunction":
-        return 3
-    if not _PROGRAMS:
-        from triton.runtime import driver
-
-        props = driver.active.utils.get_device_properties(driver.active.get_current_device())
-        _PROGRAMS.append(int(props["multiprocessor_count"]))
-    return _PROGRAMS[0]
+    return multiprocessor_count(kernel, interpreted=3)
 
 
 def grid_size(persistent: bool, kernel: Any, tiles: int) -> int:

@@ -4,11 +4,12 @@
 output in q's dtype) and these guarantees:
 
 - **CPU (Triton interpreter), fp32**: bitwise equal to the reference, forward and backward (the backward
-  being Paddle autograd of ``xf * rsqrt(mean(xf^2) + eps)``). The kernels sum in Paddle CPU's order (one
-  sequential fp32 sum per row) and reproduce its gradient formula op for op; ``rsqrt(ms + eps)`` itself is
-  taken from Paddle on the ``[b, s, h, 1]`` statistics (Paddle CPU's rsqrt is a vendor-specific,
-  position-dependent approximation that no kernel can reproduce; see ``kernel.py``). So the forward is
-  two kernel launches around two tiny Paddle ops, the backward one launch.
+  being Paddle autograd of ``xf * inv_sqrt(mean(xf^2) + eps)``, ``reference.inv_sqrt``: ``1 / sqrt`` from
+  correctly rounded ops, position-independent). The kernels sum in Paddle CPU's order (one sequential fp32 sum
+  per row) and reproduce its gradient formula op for op (the square root's in fp64, as the reference takes it);
+  ``r`` itself is the reference's ``inv_sqrt`` on the ``[b, s, h, 1]`` statistics. So the forward is two kernel
+  launches around three tiny Paddle ops, the backward one launch (which sums ``x^2`` again: the gradient needs
+  ``sqrt(ms + eps)``).
 - **GPU**: one forward kernel and one backward kernel in torch CUDA's reduction order and gradient
   formulas (``kernel.torch_cuda_order``, torch 2.11's Reduce.cuh); bitwise against the eager torch op
   sequence (y, r and dx, bf16 and fp32, the production shape included) is what the H200 tests check and
@@ -33,6 +34,7 @@ from fleet_ext import capability
 capability.prepare_triton()  # interpreter mode on a CPU machine; must precede the kernel import
 
 from fleet_ext.ops.q_rms_norm import kernel  # noqa: E402
+from fleet_ext.ops.q_rms_norm.reference import inv_sqrt  # noqa: E402
 
 
 class _QRMSNorm(PyLayer):
@@ -41,7 +43,7 @@ class _QRMSNorm(PyLayer):
         order = kernel.default_order(q)
         if order.flavor == kernel.FLAVOR_PADDLE:
             ms = kernel.q_rms_norm_stats(q, order)
-            r = paddle.rsqrt(ms + eps)  # Paddle's own rsqrt on the reference's [b, s, h, 1] tensor
+            r = inv_sqrt(ms + eps)  # the reference's own 1 / sqrt on its [b, s, h, 1] tensor
             y = kernel.q_rms_norm_apply(q, r)
         else:  # r None where the backward recomputes it (one output: one allocation less per call)
             y, r = kernel.q_rms_norm_fused(q, eps, order, keep_r=False)

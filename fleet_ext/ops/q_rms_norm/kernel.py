@@ -1,4 +1,4 @@
-"""Triton weightless per-head RMS norm of the DSv4 query: ``y = x * rsqrt(mean(x^2) + eps)``, and its gradient.
+"""Triton weightless per-head RMS norm of the DSv4 query: ``y = x * (1 / sqrt(mean(x^2) + eps))``, and its gradient.
 
 Framework-agnostic host launchers (Paddle or torch tensors, through :mod:`fleet_ext.ops.launch`); this
 module imports neither Paddle nor torch. Everything is computed in fp32 (inputs widened exactly), the
@@ -30,22 +30,27 @@ chunk into ``C`` fp32 accumulators (sequentially: this is the per-thread loop), 
 accumulators of a lane are combined left to right and the lanes by the tree above. Paddle CPU's order is
 ``LANES = NACC = 1``.
 
-**Where the rsqrt comes from.** On a GPU one kernel does it all (``fused`` phase) with ``tl.math.rsqrt``:
-Triton emits ``rsqrt.approx.ftz.f32``, CUDA's ``rsqrtf`` (torch.rsqrt) ``rsqrt.approx.f32``; the same
-MUFU.RSQ result for every normal input, and ``ms + eps`` is normal whenever ``eps >= 2**-126``. Paddle
-CPU's ``rsqrt`` is not reproducible by any kernel: Eigen's packet path is the hardware ``rsqrtps``
-estimate plus one Newton step (vendor specific, not correctly rounded) while the scalar tail of the same
-tensor is ``1/sqrt``, so the result depends on the element's position. The CPU path therefore runs the
-``stats`` phase (write ``mean(x^2)``), lets the caller apply Paddle's own ``rsqrt(ms + eps)`` to the
-``[b, s, h, 1]`` tensor, and runs the ``apply`` phase (``x * r``).
+**Where ``1 / sqrt`` comes from.** ``r = fl(1 / fl(sqrt(ms + eps)))``, two correctly rounded fp32 operations,
+everywhere: the references' ``inv_sqrt`` (``reference.py``; Paddle CPU's ``rsqrt`` is not used: Eigen's packet
+path is the hardware ``rsqrtps`` estimate plus a Newton step while the scalar tail of the same tensor is
+``1/sqrt``, so its bits depend on an element's position, and a context-parallel rank's shorter statistics got
+other bits), the kernels' ``div_rn(1, sqrt_rn(v))`` (``kernel_common._inv_sqrt``; NumPy's IEEE ops in the
+interpreter) and torch's eager ``1 / torch.sqrt`` on CUDA. On a GPU one kernel does it all (``fused`` phase). The
+CPU path runs the ``stats`` phase (write ``mean(x^2)``), applies the reference's own ``inv_sqrt(ms + eps)`` to the
+``[b, s, h, 1]`` tensor (the same bits a kernel would give), and runs the ``apply`` phase (``x * r``). Every
+backward sums ``x^2`` again (in registers on the one-pass path, one more pass over the row on the streamed one):
+the gradient of ``1 / sqrt(v)`` divides by ``sqrt(v)``, which ``r`` does not determine, so a backward needs the
+forward's ``eps`` even when it is given ``r``.
 
 **Gradient flavours** (elementwise, after the row sum ``g_r = sum(dy * x)`` in the same order):
 
-- Paddle CPU autograd: ``d_ms = (((-0.5 * g_r) * r) * r) * r``; ``d_sq = d_ms / d``;
-  ``dx = dy * r + (d_sq * 2) * x``;
-- torch autograd: ``d_ms = (-0.5 * g_r) * ((r * r) * r)`` (rsqrt's ``-0.5 * grad * result.pow(3)``);
-  ``d_sq = d_ms * fl(1/d)`` (mean_backward divides by a CPU scalar, which CUDA turns into a multiply by
-  its reciprocal); ``dx = dy * r + d_sq * (2 * x)`` (pow_backward).
+- Paddle CPU autograd of ``reciprocal(fp32(sqrt(fp64(v))))`` (``reference.inv_sqrt``), ``v = ms + eps``: the
+  reciprocal's ``d_s = ((g_r * -1) * r) * r`` (fp32), the fp64 square root's ``(0.5 * d_s) / sqrt(v)`` in fp64,
+  rounded to fp32 (found by experiment on Paddle 3.3.1 CPU, pinned by ``test_inv_sqrt.py``); ``d_ms`` that
+  ``+ 0``; ``d_sq = d_ms / d``; ``dx = dy * r + (d_sq * 2) * x``;
+- torch autograd of ``1 / torch.sqrt(v)``: the reciprocal's ``-g_r * (r * r)``, the square root's
+  ``d / (2 * sqrt(v))``; ``d_sq = d_ms * fl(1/d)`` (mean_backward divides by a CPU scalar, which CUDA turns into a
+  multiply by its reciprocal); ``dx = dy * r + d_sq * (2 * x)`` (pow_backward).
 
 Layout: ``x`` is [b, s, h, d] with any strides; ``y``/``dx`` are new contiguous tensors like ``x``;
 ``r``/``ms`` are contiguous fp32 [b, s, h, 1]. One program handles ``BLOCK_R`` rows.
@@ -59,12 +64,12 @@ q, any row stride) skip the per-row index divisions. The launch defaults (4 rows
 production shape; its timings are in ``benchmarks/RESULTS.md`` ("q_rms_norm one-pass tuning").
 
 **r recomputed, not kept, on the one-pass path.** The backward reads every x chunk anyway, so it can recompute
-``r`` with the forward's own code (``kernel_common._one_pass_r``: same chunks, same accumulators and tree, same
-``* mean_factor + eps`` and rsqrt, no FMA) instead of reading it: ``q_rms_norm_fused(.., keep_r=False)`` then
+``r`` with the forward's own code (``kernel_common._one_pass_v``: same chunks, same accumulators and tree, same
+``* mean_factor + eps`` and ``1 / sqrt``, no FMA) instead of reading it: ``q_rms_norm_fused(.., keep_r=False)`` then
 allocates and writes one output, not two (a small tensor's host cost is mostly allocations, issue 16 §4), and
 ``q_rms_norm_bwd(.., r=None, eps=eps)`` recomputes. The interpreter tests and the H200 tests check the
-recomputed ``r`` against the forward's byte for byte (``r_out``). The Paddle CPU order keeps ``r`` (Paddle's own
-rsqrt, see above), and so do the streamed kernels.
+recomputed ``r`` against the forward's byte for byte (``r_out``). The Paddle CPU order keeps ``r`` (the
+reference's own ``inv_sqrt``, see above), and so do the streamed kernels.
 
 Files, by role: this module (orders re-exported, launch configuration, host launchers),
 ``kernel_order.py`` (the :class:`Order` model, host side), ``kernel_common.py`` (device summation tree
@@ -90,6 +95,7 @@ from fleet_ext.ops.launch import (
     shape_of,
     strides_of,
 )
+from fleet_ext.ops.multiprocessors import multiprocessor_count
 from fleet_ext.ops.q_rms_norm import kernel_order
 from fleet_ext.ops.q_rms_norm.kernel_bwd import _q_rms_norm_bwd_kernel
 from fleet_ext.ops.q_rms_norm.kernel_fwd import _q_rms_norm_fwd_kernel
@@ -152,7 +158,9 @@ TUNE: dict = {}
 # benchmarks/RESULTS.md, "Tiny shapes against torch.compile".
 FWD_TINY = True
 FWD_TINY_ROWS = 2
-_SMS = 132  # an H200's SMs: fewer row blocks than this leave SMs idle (the threshold, not a launch limit)
+# fewer row blocks than the GPU's SMs leave SMs idle (the threshold, not a launch limit); the interpreter takes the
+# H200's 132 (tests/single_card_tests/test_fusion_q_rms_norm.py plays the GPU geometry there)
+_INTERPRETED_SMS = 132
 
 
 def _one_pass(d: int, order: Order, phase: int = PHASE_FUSED) -> bool:
@@ -170,7 +178,8 @@ def _config(d: int, order: Order, backward: bool = False, phase: int = PHASE_FUS
         rows_128 = int(TUNE.get("bwd_rows" if backward else "fwd_rows", BWD_ROWS if backward else FWD_ROWS))
         warps = int(TUNE.get("bwd_warps" if backward else "fwd_warps", BWD_WARPS if backward else FWD_WARPS))
         block_r = max(1, min(64, rows_128 * 128 // chunk))
-        if FWD_TINY and not backward and rows is not None and triton.cdiv(rows, block_r) < _SMS:
+        if FWD_TINY and not backward and rows is not None and triton.cdiv(rows, block_r) < multiprocessor_count(
+                _q_rms_norm_fwd_kernel, _INTERPRETED_SMS):
             block_r = max(1, min(64, FWD_TINY_ROWS * 128 // chunk))
         block_d = min(triton.next_power_of_2(d), 256)
     else:  # ~2048 fp32 accumulators per program (16 per thread at 4 warps), 16-byte loads
@@ -195,7 +204,7 @@ def _tuning() -> tuple:
 
 def recomputes_r(d: int, order: Order) -> bool:
     """The backward can recompute ``r`` from ``x`` bit for bit (the one-pass kernels, torch order), so the fused
-    forward need not write it: the forward's ``_one_pass_r`` runs again in the backward on the same chunks."""
+    forward need not write it: the forward's ``_one_pass_v`` runs again in the backward on the same chunks."""
     return _one_pass(d, order, PHASE_FUSED)
 
 
@@ -249,7 +258,7 @@ def q_rms_norm_apply(q: Any, r: Any) -> Any:
 
 
 def q_rms_norm_fused(q: Any, eps: float, order: Order | None = None, keep_r: bool = True) -> tuple[Any, Any]:
-    """One kernel: ``(y, r)`` with ``r = rsqrt(mean(q^2) + eps)`` fp32 [b, s, h, 1] and ``y = q * r``.
+    """One kernel: ``(y, r)`` with ``r = 1 / sqrt(mean(q^2) + eps)`` fp32 [b, s, h, 1] and ``y = q * r``.
 
     ``keep_r=False`` (the training path): ``r`` is None, neither allocated nor written, where the backward
     recomputes it (:func:`recomputes_r`; pass ``r=None`` and ``eps`` to :func:`q_rms_norm_bwd`); one output is one
@@ -273,16 +282,18 @@ def _check_stats(t: Any, name: str, b: int, s: int, h: int) -> None:
 
 def check_recompute(r: Any, eps: Any, r_out: Any, recomputable: bool, fn: str,
                     readers: str = "the streamed kernels") -> None:
-    """A backward given ``r=None`` recomputes ``r``: it needs the forward's ``eps`` and a plan that can
-    (``recomputable``; else ``readers`` read ``r``); ``r_out`` (where the recomputed ``r`` is written, for tests)
-    only goes with ``r=None``."""
+    """A backward needs the forward's ``eps`` whatever ``r`` is: it recomputes ``v = mean(x^2) + eps`` from x, since
+    the gradient of ``r = 1 / sqrt(v)`` divides by ``sqrt(v)``, which ``r`` does not determine. Given ``r=None`` it
+    recomputes ``r`` too, which needs a plan that can (``recomputable``; else ``readers`` read ``r``); ``r_out``
+    (where the recomputed ``r`` is written, for tests) only goes with ``r=None``."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        why = "so r is recomputed from x and" if r is None else "and the gradient of 1 / sqrt(mean(x^2) + eps)"
+        raise ValueError(f"{fn}: `r` is {'None' if r is None else 'given'}, {why} needs the forward's `eps` (a "
+                         f"float >= 0), got {eps!r}")
     if r is not None:
         if r_out is not None:
             raise ValueError(f"{fn}: `r_out` receives a recomputed r: pass it with r=None, not with the forward's r")
         return
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
-        raise ValueError(f"{fn}: `r` is None, so r is recomputed from x and needs the forward's `eps` (a float "
-                         f">= 0), got {eps!r}")
     if not recomputable:
         raise ValueError(f"{fn}: `r` is None, but this shape, order and plan take {readers}, which read the "
                          "forward's r: keep it (the forward's keep_r=True) and pass it")
@@ -316,14 +327,14 @@ def _prepare_bwd(key: tuple, dy: Any, q: Any, r: Any, order: Order | None, eps: 
         x_strides[2], g_strides[2] = x_step, g_step
     meta = dict(D=d, FLAVOR=order.flavor, DOWNCAST=dtype_name(q) != "float32", FLAT_ROWS=flat,
                 RECOMPUTE_R=r is None, STORE_R=r_out is not None, enable_fp_fusion=False, **cfg)
-    scalars = (rows, s, h, *x_strides, *g_strides, float(order.inv_d), float(order.mean_factor),
-               0.0 if r is not None else float(eps))
+    scalars = (rows, s, h, *x_strides, *g_strides, float(order.inv_d), float(order.mean_factor), float(eps))
     return _BWD_PLANS.add(key, Plan((triton.cdiv(rows, cfg["BLOCK_R"]),), scalars, meta, standard=is_standard(q)))
 
 
 def q_rms_norm_bwd(dy: Any, q: Any, r: Any, order: Order | None = None, eps: float | None = None,
                    r_out: Any = None) -> Any:
-    """The gradient for ``q`` given ``dy`` (like q, any strides) and the forward's ``r``; a new contiguous tensor.
+    """The gradient for ``q`` given ``dy`` (like q, any strides), the forward's ``r`` and ``eps``; a new contiguous
+    tensor. ``eps`` is required (``v = mean(q^2) + eps`` is recomputed from ``q``: see :func:`check_recompute`).
 
     ``r=None`` (after ``q_rms_norm_fused(.., keep_r=False)``): ``r`` is recomputed from ``q`` with the forward's
     ``eps`` by the forward's own code (bitwise the forward's ``r``); ``r_out`` (fp32 [b, s, h, 1], contiguous)

@@ -16,11 +16,13 @@ from fleet_ext.ops.q_rms_norm.kernel_common import (
     _add_products,
     _bwd_r,
     _combine,
+    _d_v,
     _narrow,
     _put,
     _row_offsets,
     _row_sum,
     _row_tiles,
+    _row_v,
 )
 
 
@@ -34,15 +36,15 @@ def _dx_tile(g, x, r, d_sq, FLAVOR: tl.constexpr):
 
 
 @triton.jit
-def _d_sq(g_r, r, inv_d, D: tl.constexpr, BLOCK_R: tl.constexpr, FLAVOR: tl.constexpr):
-    """d(loss)/d(x^2) per row from the row sum ``g_r = sum(dy * x)``, in the flavour's operation order."""
+def _d_sq(g_r, r, v, inv_d, D: tl.constexpr, BLOCK_R: tl.constexpr, FLAVOR: tl.constexpr):
+    """d(loss)/d(x^2) per row from the row sum ``g_r = sum(dy * x)`` (``r = 1 / sqrt(v)``, ``v = mean(x^2) + eps``),
+    in the flavour's operation order."""
     if FLAVOR == 0:
         # ``+ 0.0``: the gradient of Paddle's ``ms + eps`` adds a zero, so a -0 (r = 0: mean(x^2) overflowed) is +0
-        d_ms = (((-0.5 * g_r) * r) * r) * r + 0.0
+        d_ms = _d_v(g_r, r, v, FLAVOR) + 0.0
         d_sq = tl.math.div_rn(d_ms, tl.full([BLOCK_R], D, tl.float32))
     else:
-        d_ms = (g_r * -0.5) * ((r * r) * r)
-        d_sq = d_ms * inv_d
+        d_sq = _d_v(g_r, r, v, FLAVOR) * inv_d
     return d_sq
 
 
@@ -55,17 +57,18 @@ def _bwd_one_pass(
 ):
     """Torch order: each row of ``dy`` and ``x`` read once, its (at most 8) chunks held in registers.
 
-    ``r``: read from ``r_ptr``, or (RECOMPUTE_R) recomputed from the x chunks by the forward's own code
-    (``_one_pass_r``), and with STORE_R also written to ``r_ptr`` (tests compare it with the forward's)."""
+    ``v = mean(x^2) + eps`` is recomputed from the x chunks by the forward's own code (``_one_pass_v``); ``r`` is
+    read from ``r_ptr``, or (RECOMPUTE_R) ``1 / sqrt(v)`` as the forward computes it, and with STORE_R also written
+    to ``r_ptr`` (tests compare it with the forward's)."""
     C: tl.constexpr = LANES * 4
     NT: tl.constexpr = (D + C - 1) // C
     x0, x1, x2, x3, x4, x5, x6, x7 = _row_tiles(x_ptr, x_row, x_sd, row_mask, C, D, NT, STREAM)
     g0, g1, g2, g3, g4, g5, g6, g7 = _row_tiles(g_ptr, g_row, g_sd, row_mask, C, D, NT, STREAM)
-    r = _bwd_r(r_ptr, rows, row_mask, x0, x1, x2, x3, x4, x5, x6, x7, mean_factor, eps, NT, BLOCK_R, LANES,
-               ACC_INNER, HALVING, RECOMPUTE_R, STORE_R)
+    r, v = _bwd_r(r_ptr, rows, row_mask, x0, x1, x2, x3, x4, x5, x6, x7, mean_factor, eps, NT, BLOCK_R, LANES,
+                  ACC_INNER, HALVING, RECOMPUTE_R, STORE_R)
     acc = tl.zeros([BLOCK_R, C], dtype=tl.float32) + g0 * x0  # the identity 0 first: -0 products become +0
     acc = _add_products(acc, g1, g2, g3, g4, g5, g6, g7, x1, x2, x3, x4, x5, x6, x7, NT)
-    d_sq = _d_sq(_combine(acc, BLOCK_R, LANES, 4, ACC_INNER, HALVING), r, inv_d, D, BLOCK_R, FLAVOR)
+    d_sq = _d_sq(_combine(acc, BLOCK_R, LANES, 4, ACC_INNER, HALVING), r, v, inv_d, D, BLOCK_R, FLAVOR)
     _put_dx_tiles(dx_ptr, rows, row_mask, g0, g1, g2, g3, g4, g5, g6, g7, x0, x1, x2, x3, x4, x5, x6, x7, r, d_sq,
                   NT, C, D, FLAVOR, DOWNCAST, STREAM)
 
@@ -96,15 +99,17 @@ def _put_dx_tiles(
 
 @triton.jit
 def _bwd_streamed(
-    x_ptr, g_ptr, dx_ptr, rows, row_mask, x_row, g_row, x_sd, g_sd, r, inv_d,
+    x_ptr, g_ptr, dx_ptr, rows, row_mask, x_row, g_row, x_sd, g_sd, r, inv_d, mean_factor, eps,
     D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
     LANES: tl.constexpr, NACC: tl.constexpr, ACC_INNER: tl.constexpr, HALVING: tl.constexpr,
     FLAVOR: tl.constexpr, DOWNCAST: tl.constexpr,
 ):
-    """Any order, any width: the rows are streamed for the sum, then again for ``dx``."""
+    """Any order, any width: the rows are streamed for the sums (``v = mean(x^2) + eps`` again, as the forward
+    summed it: the gradient needs ``sqrt(v)``), then again for ``dx``."""
+    v = _row_v(x_ptr, x_row, x_sd, row_mask, mean_factor, eps, D, BLOCK_R, LANES, NACC, ACC_INNER, HALVING, FLAVOR)
     g_r = _row_sum(g_ptr, g_row, g_sd, x_ptr, x_row, x_sd, row_mask, False, D, BLOCK_R, LANES, NACC, ACC_INNER,
                    HALVING)
-    d_sq = _d_sq(g_r, r, inv_d, D, BLOCK_R, FLAVOR)
+    d_sq = _d_sq(g_r, r, v, inv_d, D, BLOCK_R, FLAVOR)
     for c0 in range(0, D, BLOCK_D):
         col = c0 + tl.arange(0, BLOCK_D)
         mask = row_mask[:, None] & (col < D)[None, :]
@@ -128,8 +133,8 @@ def _q_rms_norm_bwd_kernel(
     RECOMPUTE_R: tl.constexpr, STORE_R: tl.constexpr,
 ):
     """dx for BLOCK_R rows; ONE_PASS as in the forward (torch order, at most MAX_TILES chunks), where
-    RECOMPUTE_R (one pass only) recomputes ``r`` from ``x`` (``mean_factor``, ``eps``: the forward's) instead of
-    reading it, and STORE_R then writes it to ``r_ptr``."""
+    RECOMPUTE_R (one pass only) recomputes ``r`` from ``x`` instead of reading it, and STORE_R then writes it to
+    ``r_ptr``. Every path recomputes ``v = mean(x^2) + eps`` from ``x`` (``mean_factor``, ``eps``: the forward's)."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < n_rows
     x_row = _row_offsets(rows, S, H, x_sb, x_ss, x_sh, FLAT_ROWS)
@@ -139,5 +144,5 @@ def _q_rms_norm_bwd_kernel(
                       D, BLOCK_R, LANES, ACC_INNER, HALVING, FLAVOR, DOWNCAST, STREAM, RECOMPUTE_R, STORE_R)
     else:
         r = tl.load(r_ptr + rows, mask=row_mask, other=0.0)
-        _bwd_streamed(x_ptr, g_ptr, dx_ptr, rows, row_mask, x_row, g_row, x_sd, g_sd, r, inv_d,
+        _bwd_streamed(x_ptr, g_ptr, dx_ptr, rows, row_mask, x_row, g_row, x_sd, g_sd, r, inv_d, mean_factor, eps,
                       D, BLOCK_R, BLOCK_D, LANES, NACC, ACC_INNER, HALVING, FLAVOR, DOWNCAST)

@@ -230,17 +230,55 @@ def _add_products(acc, a1, a2, a3, a4, a5, a6, a7, b1, b2, b3, b4, b5, b6, b7, N
 
 
 @triton.jit
-def _one_pass_r(
+def _inv_sqrt(v):
+    """``r = 1 / sqrt(v)`` from two correctly rounded fp32 operations, ``div_rn(1, sqrt_rn(v))``: bit for bit the
+    references' ``inv_sqrt`` (``fleet_ext.ops.q_rms_norm.reference``) and torch's eager ``1 / torch.sqrt(v)``."""
+    return tl.math.div_rn(tl.full(v.shape, 1.0, tl.float32), tl.math.sqrt_rn(v))
+
+
+@triton.jit
+def _d_v(g_r, r, v, FLAVOR: tl.constexpr):
+    """The gradient reaching ``v = ms + eps`` from ``g_r`` (the gradient reaching ``r = 1 / sqrt(v)``), in the
+    flavour's operations. Paddle CPU autograd of ``reciprocal(fp32(sqrt(fp64(v))))``: the reciprocal's
+    ``((g * -1) * r) * r`` in fp32, the fp64 square root's ``(0.5 * d) / sqrt(v)`` in fp64 (IEEE: an fp64 ``sqrt``
+    and ``/``, compiled or interpreted), rounded to fp32. torch autograd of ``1 / torch.sqrt(v)``: the reciprocal's
+    ``-g * (r * r)``, the square root's ``d / (2 * sqrt(v))`` (both fp32, correctly rounded)."""
+    if FLAVOR == 0:
+        d_s = ((g_r * -1.0) * r) * r
+        d_v = ((d_s.to(tl.float64) * 0.5) / tl.sqrt(v.to(tl.float64))).to(tl.float32)
+    else:
+        d_v = tl.math.div_rn(-g_r * (r * r), tl.math.sqrt_rn(v) * 2.0)
+    return d_v
+
+
+@triton.jit
+def _row_v(
+    x_ptr, x_row, x_sd, row_mask, mean_factor, eps, D: tl.constexpr, BLOCK_R: tl.constexpr, LANES: tl.constexpr,
+    NACC: tl.constexpr, ACC_INNER: tl.constexpr, HALVING: tl.constexpr, FLAVOR: tl.constexpr,
+):
+    """``v = mean(x^2) + eps`` per row, the row streamed: the sum in the order, then the flavour's mean (Paddle
+    CPU: ``sum / d``; torch: ``sum * factor``)."""
+    total = _row_sum(x_ptr, x_row, x_sd, x_ptr, x_row, x_sd, row_mask, True, D, BLOCK_R, LANES, NACC, ACC_INNER,
+                     HALVING)
+    if FLAVOR == 0:
+        ms = tl.math.div_rn(total, tl.full([BLOCK_R], D, tl.float32))
+    else:
+        ms = total * mean_factor
+    return ms + eps
+
+
+@triton.jit
+def _one_pass_v(
     x0, x1, x2, x3, x4, x5, x6, x7, mean_factor, eps, NT: tl.constexpr, BLOCK_R: tl.constexpr,
     LANES: tl.constexpr, ACC_INNER: tl.constexpr, HALVING: tl.constexpr,
 ):
-    """``r = rsqrt(mean(x^2) + eps)`` per row from the row's chunks (torch order, 4 accumulators a lane).
+    """``v = mean(x^2) + eps`` per row from the row's chunks (torch order, 4 accumulators a lane).
 
-    The one place this is computed on the one-pass path: the forwards that store ``r`` and the backwards that
-    recompute it instead of reading it (``RECOMPUTE_R``) run this same code on the same fp32 chunks, so the two
-    are the same bits (kernels built without FMA contraction; tests compare them)."""
+    The one place this is computed on the one-pass path: the forwards and the backwards (which need ``sqrt(v)``
+    for the gradient and may recompute ``r`` instead of reading it, ``RECOMPUTE_R``) run this same code on the
+    same fp32 chunks, so they get the same bits (kernels built without FMA contraction; tests compare them)."""
     acc = _add_products(x0 * x0, x1, x2, x3, x4, x5, x6, x7, x1, x2, x3, x4, x5, x6, x7, NT)  # squares: never -0
-    return tl.math.rsqrt(_combine(acc, BLOCK_R, LANES, 4, ACC_INNER, HALVING) * mean_factor + eps)
+    return _combine(acc, BLOCK_R, LANES, 4, ACC_INNER, HALVING) * mean_factor + eps
 
 
 @triton.jit
@@ -249,15 +287,18 @@ def _bwd_r(
     BLOCK_R: tl.constexpr, LANES: tl.constexpr, ACC_INNER: tl.constexpr, HALVING: tl.constexpr,
     RECOMPUTE_R: tl.constexpr, STORE_R: tl.constexpr,
 ):
-    """A one-pass backward's ``r``: read from ``r_ptr``, or (RECOMPUTE_R) recomputed from the row's x chunks by
-    :func:`_one_pass_r` with the forward's ``mean_factor`` and ``eps``, and then (STORE_R) written to ``r_ptr``."""
+    """A one-pass backward's ``(r, v)``: ``v`` recomputed from the row's x chunks by :func:`_one_pass_v` with the
+    forward's ``mean_factor`` and ``eps`` (the gradient of ``1 / sqrt(v)`` needs ``sqrt(v)``, which ``r`` does not
+    determine); ``r`` read from ``r_ptr``, or (RECOMPUTE_R) ``1 / sqrt(v)`` as the forward computes it, and then
+    (STORE_R) written to ``r_ptr``."""
+    v = _one_pass_v(x0, x1, x2, x3, x4, x5, x6, x7, mean_factor, eps, NT, BLOCK_R, LANES, ACC_INNER, HALVING)
     if RECOMPUTE_R:
-        r = _one_pass_r(x0, x1, x2, x3, x4, x5, x6, x7, mean_factor, eps, NT, BLOCK_R, LANES, ACC_INNER, HALVING)
+        r = _inv_sqrt(v)
         if STORE_R:
             tl.store(r_ptr + rows, r, mask=row_mask)
     else:
         r = tl.load(r_ptr + rows, mask=row_mask, other=0.0)
-    return r
+    return r, v
 
 
 @triton.jit

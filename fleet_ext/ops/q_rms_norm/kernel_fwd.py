@@ -11,7 +11,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fleet_ext.ops.q_rms_norm.kernel_common import _narrow, _one_pass_r, _put, _row_offsets, _row_sum, _row_tiles
+from fleet_ext.ops.q_rms_norm.kernel_common import (
+    _inv_sqrt,
+    _narrow,
+    _one_pass_v,
+    _put,
+    _row_offsets,
+    _row_sum,
+    _row_tiles,
+)
 
 
 @triton.jit
@@ -22,11 +30,12 @@ def _fwd_one_pass(
 ):
     """PHASE 2, torch order: each row read once, its (at most 8) chunks held in registers for the sum and y.
 
-    STORE_R false: ``r`` is not written (the backward recomputes it with the same ``_one_pass_r``)."""
+    STORE_R false: ``r`` is not written (the backward recomputes it with the same ``_one_pass_v`` and ``_inv_sqrt``)."""
     C: tl.constexpr = LANES * 4
     NT: tl.constexpr = (D + C - 1) // C
     x0, x1, x2, x3, x4, x5, x6, x7 = _row_tiles(x_ptr, x_row, s_d, row_mask, C, D, NT, STREAM)
-    r = _one_pass_r(x0, x1, x2, x3, x4, x5, x6, x7, mean_factor, eps, NT, BLOCK_R, LANES, ACC_INNER, HALVING)
+    v = _one_pass_v(x0, x1, x2, x3, x4, x5, x6, x7, mean_factor, eps, NT, BLOCK_R, LANES, ACC_INNER, HALVING)
+    r = _inv_sqrt(v)
     if STORE_R:
         tl.store(stat_ptr + rows, r, mask=row_mask)
     rb = r[:, None]
@@ -67,7 +76,7 @@ def _fwd_streamed(
         if PHASE == 0:
             tl.store(stat_ptr + rows, ms, mask=row_mask)
         else:
-            r = tl.math.rsqrt(ms + eps)
+            r = _inv_sqrt(ms + eps)
             tl.store(stat_ptr + rows, r, mask=row_mask)
     if PHASE != 0:
         out_dtype = y_ptr.dtype.element_ty
@@ -89,7 +98,7 @@ def _q_rms_norm_fwd_kernel(
     PHASE: tl.constexpr, FLAVOR: tl.constexpr, DOWNCAST: tl.constexpr,
     ONE_PASS: tl.constexpr, FLAT_ROWS: tl.constexpr, STREAM: tl.constexpr, STORE_R: tl.constexpr,
 ):
-    """PHASE 0: stat = mean(x^2). PHASE 1: y = x * stat (stat = r). PHASE 2: stat = r = rsqrt(mean + eps), y.
+    """PHASE 0: stat = mean(x^2). PHASE 1: y = x * stat (stat = r). PHASE 2: stat = r = 1 / sqrt(mean + eps), y.
 
     ONE_PASS (PHASE 2, torch order, NACC = 4, at most MAX_TILES chunks): each row is read once, its chunks
     held in registers for both the sum and y; else the row is streamed twice (sum, then y). STORE_R false

@@ -4,9 +4,9 @@
 
 - **CPU (Triton interpreter), fp32**: bitwise equal to the composition, forward and backward, the kv gain's
   gradient included (Paddle CPU's sequential sum over the rows). The forward is the q norm's statistics
-  launch, Paddle's own ``rsqrt`` on the ``[.., 1]`` statistics (position-dependent on the CPU, so no kernel
-  can stand in for it: ``fleet_ext.ops.q_rms_norm.kernel``) and one apply launch that writes the rotated
-  output; no RoPE launch. The backward is one launch.
+  launch, the reference's own ``inv_sqrt`` (``fleet_ext.ops.q_rms_norm.reference``: ``1 / sqrt`` from correctly
+  rounded ops) on the ``[.., 1]`` statistics, and one apply launch that writes the rotated output; no RoPE
+  launch. The backward is one launch.
 - **GPU**: one forward launch; one backward launch for q, and for kv one plus a small launch adding the
   gain gradient's row segments. Where the one-pass kernels apply (and for kv the gain gradient is summed in the
   row programs) the forward writes only ``y`` and the backward recomputes ``r`` from ``x`` with the forward's
@@ -31,17 +31,19 @@ from fleet_ext import capability
 capability.prepare_triton()  # interpreter mode on a CPU machine; must precede the kernel imports
 
 from fleet_ext.ops.q_rms_norm import kernel as q_kernel  # noqa: E402
+from fleet_ext.ops.q_rms_norm.reference import inv_sqrt  # noqa: E402
 from fleet_ext.ops.qkv_prologue import kernel  # noqa: E402
 from fleet_ext.ops.rope import function as rope_function  # noqa: E402
 
 
 def _forward(ctx, x: paddle.Tensor, weight: paddle.Tensor | None, eps: float, cos, sin) -> paddle.Tensor:
-    """The forward of both PyLayers: statistics + Paddle's rsqrt + apply on the CPU, one fused launch on a GPU."""
+    """The forward of both PyLayers: statistics + the reference's 1 / sqrt + apply on the CPU, one fused launch on a
+    GPU."""
     order = kernel.default_order(x)
     if order.flavor == q_kernel.FLAVOR_PADDLE:
         x4 = x if x.ndim == 4 else x.unsqueeze(2)
         ms = q_kernel.q_rms_norm_stats(x4, order).reshape(kernel._rows_shape(x))
-        r = paddle.rsqrt(ms + eps)  # Paddle's own rsqrt on the reference's [.., 1] tensor
+        r = inv_sqrt(ms + eps)  # the reference's own 1 / sqrt on its [.., 1] tensor
         y = kernel.norm_rope_apply(x, r, cos, sin, weight)
     else:  # r None where the backward recomputes it (one output: one allocation less per call)
         y, r = kernel.norm_rope_fused(x, eps, cos, sin, weight, order, keep_r=False)

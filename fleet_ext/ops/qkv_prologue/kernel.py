@@ -6,10 +6,10 @@ What it replaces, op for op (so the result is bitwise the separate ops' on the p
 - kv [b, s, d]: the weighted RMSNorm (``reference.rms_norm``: ``w * (x * r)``, fp32 gain) then the RoPE.
 
 Forward: the norm's output is rounded to the tensor dtype (the separate path stores it), the pe channels
-(the trailing ``2 * cos.shape[-1]``) are rotated from it in fp32 and rounded once more; ``r = rsqrt(mean(x^2)
+(the trailing ``2 * cos.shape[-1]``) are rotated from it in fp32 and rounded once more; ``r = 1 / sqrt(mean(x^2)
 + eps)`` (fp32, per row) is kept for the backward, or, on the one-pass path with ``keep_r=False`` (the
 training path), not written at all: the backward recomputes it from ``x`` with the forward's own code
-(:func:`recomputes_r`, ``q_rms_norm.kernel_common._one_pass_r``), so the forward allocates one output, not two
+(:func:`recomputes_r`, ``q_rms_norm.kernel_common._one_pass_v``), so the forward allocates one output, not two
 (host cost, issue 16 §4); y, r and dx are the same bits either way, kv's ``dw`` (tolerance, deterministic) may
 differ in the last bits (each compiled variant sums a block's rows in its own layout's order). Backward: the
 RoPE gradient of ``dy`` (the opposite
@@ -19,12 +19,13 @@ kv's gain gradient ``dw = sum over rows of g * (x * r)`` comes from the same lau
 small reduce launch on a GPU (below).
 
 **Orders.** The row sums follow an :class:`~fleet_ext.ops.q_rms_norm.kernel_order.Order`, as in the q norm:
-Paddle CPU's (sequential) in the interpreter, torch CUDA's on a GPU. On the CPU the rsqrt stays Paddle's
-(its vectorised estimate depends on the element's position, see ``fleet_ext.ops.q_rms_norm.kernel``), so the
-forward there is the q norm's statistics launch, Paddle's ``rsqrt`` on the ``[.., 1]`` tensor, and this
-op's apply launch (norm output and rotation together); the backward is one launch. On a GPU the forward is
-one launch. ``dw``: Paddle CPU's order (one sequential sum from 0 over all rows) in the interpreter; on a GPU
-a fixed blocked order (deterministic, not torch's; ``tolerance`` in the registry): each backward row program
+Paddle CPU's (sequential) in the interpreter, torch CUDA's on a GPU. ``r = 1 / sqrt(mean(x^2) + eps)`` from two
+correctly rounded ops everywhere (``fleet_ext.ops.q_rms_norm.kernel``, "Where 1 / sqrt comes from"); on the CPU
+the forward is the q norm's statistics launch, the reference's ``inv_sqrt`` on the ``[.., 1]`` tensor, and this
+op's apply launch (norm output and rotation together); the backward is one launch, which sums ``x^2`` again
+(the gradient needs ``sqrt(mean(x^2) + eps)``, so it takes the forward's ``eps`` even when given ``r``). On a GPU
+the forward is one launch. ``dw``: Paddle CPU's order (one sequential sum from 0 over all rows) in the interpreter;
+on a GPU a fixed blocked order (deterministic, not torch's; ``tolerance`` in the registry): each backward row program
 also sums its rows' ``g * (x * r)`` into a partial (``DW_FUSED``: dy and x read once for both gradients; the
 dedicated gain programs where the one-pass kernel does not apply), and a second, small launch
 (``_dw_reduce_kernel``) adds the partials in order when there is more than one.
@@ -166,8 +167,8 @@ def _fwd_tuning() -> tuple:
 
 def recomputes_r(d: int, order: Order, kv: bool) -> bool:
     """The backward can recompute ``r`` from ``x`` bit for bit, so the fused forward need not write it: a one-pass
-    row program (torch order) runs the forward's ``_one_pass_r`` on the same chunks; for kv only with the gain
-    gradient inside the row programs (``DW_FUSED``: the dedicated gain programs read ``r``)."""
+    row program (torch order) runs the forward's ``_one_pass_v`` and ``_inv_sqrt`` on the same chunks; for kv only
+    with the gain gradient inside the row programs (``DW_FUSED``: the dedicated gain programs read ``r``)."""
     if not q_kernel._one_pass(d, order, PHASE_FUSED):
         return False
     return not kv or _dw_fused(d, order, _config(d, order, PHASE_FUSED, backward=True, kv=True))
@@ -225,13 +226,13 @@ def _check_r(x: Any, r: Any, fn: str, name: str = "r") -> None:
 
 
 def norm_rope_apply(x: Any, r: Any, cos: Any, sin: Any, weight: Any = None) -> Any:
-    """``rope(norm(x))`` given the norm's ``r = rsqrt(mean(x^2) + eps)`` (the CPU path); a new contiguous tensor."""
+    """``rope(norm(x))`` given the norm's ``r = 1 / sqrt(mean(x^2) + eps)`` (the CPU path); a new contiguous tensor."""
     return _forward(_forward_plan(x, r, cos, sin, weight, PHASE_APPLY, 0.0, None), x, r, cos, sin, weight)
 
 
 def norm_rope_fused(x: Any, eps: float, cos: Any, sin: Any, weight: Any = None,
                     order: Order | None = None, keep_r: bool = True) -> tuple[Any, Any]:
-    """One launch: ``(y, r)`` with ``r = rsqrt(mean(x^2) + eps)`` summed in ``order`` and ``y = rope(norm(x))``.
+    """One launch: ``(y, r)`` with ``r = 1 / sqrt(mean(x^2) + eps)`` summed in ``order`` and ``y = rope(norm(x))``.
 
     ``keep_r=False`` (the training path): ``r`` is None, neither allocated nor written, where the backward
     recomputes it (:func:`recomputes_r`; pass ``r=None`` and ``eps`` to :func:`norm_rope_bwd`): one output, one
@@ -300,7 +301,7 @@ def _prepare_bwd(key: tuple, dy: Any, x: Any, r: Any, cos: Any, sin: Any, weight
                 BLOCK_C=block_c, DW_ROWS=dw_rows, DW_FUSED=fused, RECOMPUTE_R=r is None, STORE_R=r_out is not None,
                 enable_fp_fusion=False, **cfg)
     scalars = (rows, seg_rows, n_dw, s, h, *x_strides, *g_strides, *_tables(cos, sin, b), float(order.inv_d),
-               float(order.mean_factor), 0.0 if r is not None else float(eps))
+               float(order.mean_factor), float(eps))
     reduce = _reduce_plan(n_seg, d, fused, block_c) if n_seg > 1 else None
     return _BWD_PLANS.add(key, Plan(grid, scalars, meta, (d, fp32, n_seg, reduce), is_standard(x)))
 
@@ -327,7 +328,8 @@ def _reduce_plan(n_seg: int, d: int, fused: bool, block_c: int) -> Plan:
 def norm_rope_bwd(dy: Any, x: Any, r: Any, cos: Any, sin: Any, weight: Any = None,
                   order: Order | None = None, eps: float | None = None, r_out: Any = None) -> tuple[Any, Any]:
     """``(dx, dw)``: the gradients for ``x`` (new contiguous, like x) and, with a gain, for it (fp32 [d]; else
-    None), given ``dy`` (like x, any strides) and the forward's ``r``.
+    None), given ``dy`` (like x, any strides) and the forward's ``r`` and ``eps`` (required: ``v = mean(x^2) + eps``
+    is recomputed from ``x``, the gradient of ``1 / sqrt(v)`` needs ``sqrt(v)``; ``q_kernel.check_recompute``).
 
     ``r=None`` (after ``norm_rope_fused(.., keep_r=False)``): ``r`` is recomputed from ``x`` with the forward's
     ``eps`` by the forward's own code (bitwise the forward's ``r``); ``r_out`` (a contiguous fp32 tensor of

@@ -26,8 +26,10 @@ from fleet_ext.ops.q_rms_norm.kernel_common import (
     _INTERPRETED,
     _bwd_r,
     _combine,
+    _one_pass_v,
     _row_offsets,
     _row_tiles,
+    _row_v,
     _sequential_sum,
     _tile,
 )
@@ -56,8 +58,8 @@ def _bwd_one_pass(
     DOWNCAST: tl.constexpr, USE_PTX: tl.constexpr, STREAM: tl.constexpr, RECOMPUTE_R: tl.constexpr,
     STORE_R: tl.constexpr,
 ):
-    """Torch order: each row of ``dy`` and ``x`` read once (plus the pe partners), its chunks in registers; ``r``
-    read or (RECOMPUTE_R) recomputed from the x chunks by the forward's code (``_bwd_r``)."""
+    """Torch order: each row of ``dy`` and ``x`` read once (plus the pe partners), its chunks in registers; ``v``
+    recomputed from the x chunks by the forward's code and ``r`` read or (RECOMPUTE_R) recomputed (``_bwd_r``)."""
     C: tl.constexpr = LANES * 4
     NT: tl.constexpr = (D + C - 1) // C
     x0, x1, x2, x3, x4, x5, x6, x7 = _row_tiles(x_ptr, x_row, x_sd, row_mask, C, D, NT, STREAM)
@@ -96,9 +98,9 @@ def _bwd_one_pass(
     # r after the gradient chunks, not before: with RECOMPUTE_R in between, the sum of squares and its tree held
     # registers while the gradient chunks loaded (72 a thread against 56 on sm90 at d = 512, bf16; measured on the
     # H200 at q [1, 16384, 64, 512]: 836 us against 745 with r read); here it is 56, as with r read
-    r = _bwd_r(r_ptr, rows, row_mask, x0, x1, x2, x3, x4, x5, x6, x7, mean_factor, eps, NT, BLOCK_R, LANES,
-               ACC_INNER, HALVING, RECOMPUTE_R, STORE_R)
-    d_sq = _d_sq(_combine(acc, BLOCK_R, LANES, 4, ACC_INNER, HALVING), r, inv_d, D, BLOCK_R, FLAVOR)
+    r, v = _bwd_r(r_ptr, rows, row_mask, x0, x1, x2, x3, x4, x5, x6, x7, mean_factor, eps, NT, BLOCK_R, LANES,
+                  ACC_INNER, HALVING, RECOMPUTE_R, STORE_R)
+    d_sq = _d_sq(_combine(acc, BLOCK_R, LANES, 4, ACC_INNER, HALVING), r, v, inv_d, D, BLOCK_R, FLAVOR)
     _put_dx_tiles(dx_ptr, rows, row_mask, g0, g1, g2, g3, g4, g5, g6, g7, x0, x1, x2, x3, x4, x5, x6, x7, r, d_sq,
                   NT, C, D, FLAVOR, DOWNCAST, STREAM)
 
@@ -118,13 +120,13 @@ def _g_cols(
 
 @triton.jit
 def _bwd_streamed(
-    x_ptr, g_ptr, dx_ptr, w_ptr, cos_ptr, sin_ptr, rows, row_mask, x_row, g_row, x_sd, g_sd, r, inv_d,
+    x_ptr, g_ptr, dx_ptr, w_ptr, cos_ptr, sin_ptr, rows, row_mask, x_row, g_row, x_sd, g_sd, r, v, inv_d,
     tab_c, tab_s, c_sk, n_sk, D: tl.constexpr, NOPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
     LANES: tl.constexpr, NACC: tl.constexpr, ACC_INNER: tl.constexpr, HALVING: tl.constexpr,
     FLAVOR: tl.constexpr, HAS_W: tl.constexpr, DOWNCAST: tl.constexpr, USE_PTX: tl.constexpr,
 ):
     """Any order, any width: the row sum over chunks of ``LANES * NACC`` columns (the gradient recomputed per
-    chunk), then ``dx`` in ``BLOCK_D``-column steps."""
+    chunk), then ``dx`` in ``BLOCK_D``-column steps; ``r`` and ``v = mean(x^2) + eps`` are the row program's."""
     C: tl.constexpr = LANES * NACC
     if C == 1 and _INTERPRETED:  # the one-lane order over the whole row at once (interpreted: BLOCK_D >= D)
         col = tl.arange(0, BLOCK_D)
@@ -143,7 +145,7 @@ def _bwd_streamed(
             x = tl.load(x_ptr + x_row[:, None] + col[None, :] * x_sd, mask=mask, other=0.0).to(tl.float32)
             acc = acc + x * g
         total = _combine(acc, BLOCK_R, LANES, NACC, ACC_INNER, HALVING)
-    d_sq = _d_sq(total, r, inv_d, D, BLOCK_R, FLAVOR)
+    d_sq = _d_sq(total, r, v, inv_d, D, BLOCK_R, FLAVOR)
     out_dtype = dx_ptr.dtype.element_ty
     for c0 in range(0, D, BLOCK_D):
         col = c0 + tl.arange(0, BLOCK_D)
@@ -223,8 +225,10 @@ def _row_program(
                       HALVING, FLAVOR, HAS_W, DOWNCAST, USE_PTX, STREAM, RECOMPUTE_R, STORE_R)
     else:
         r = tl.load(r_ptr + rows, mask=row_mask, other=0.0)
+        v = _row_v(x_ptr, x_row, x_sd, row_mask, mean_factor, eps, D, BLOCK_R, LANES, NACC, ACC_INNER, HALVING,
+                   FLAVOR)  # the forward's sum again: the gradient needs sqrt(v)
         _bwd_streamed(x_ptr, g_ptr, dx_ptr, w_ptr, cos_ptr, sin_ptr, rows, row_mask, x_row, g_row, x_sd, g_sd,
-                      r, inv_d, tab_c, tab_s, c_sk, n_sk, D, NOPE, BLOCK_R, BLOCK_D, LANES, NACC, ACC_INNER,
+                      r, v, inv_d, tab_c, tab_s, c_sk, n_sk, D, NOPE, BLOCK_R, BLOCK_D, LANES, NACC, ACC_INNER,
                       HALVING, FLAVOR, HAS_W, DOWNCAST, USE_PTX)
 
 
@@ -299,8 +303,8 @@ def _kv_block(
         if NT > 3:
             g3 = _kv_rope_grad(3, g_ptr, row_mask, g_row, g_sd, cos_ptr, sin_ptr, tab_c, tab_s, c_sk, n_sk, C, NOPE,
                                D, DOWNCAST, USE_PTX, STREAM)
-        r = _bwd_r(r_ptr, rows, row_mask, x0, x1, x2, x3, x4, x5, x6, x7, mean_factor, eps, NT, BLOCK_R, LANES,
-                   ACC_INNER, HALVING, RECOMPUTE_R, STORE_R)
+        r, v = _bwd_r(r_ptr, rows, row_mask, x0, x1, x2, x3, x4, x5, x6, x7, mean_factor, eps, NT, BLOCK_R, LANES,
+                      ACC_INNER, HALVING, RECOMPUTE_R, STORE_R)
         g0 = _kv_partial(0, g0, x0, r, part, w_ptr, C, D)
         acc = tl.zeros([BLOCK_R, C], dtype=tl.float32) + g0 * x0  # as _bwd_one_pass: the identity 0 first
         if NT > 1:
@@ -330,7 +334,8 @@ def _kv_block(
             g3, x3 = _kv_chunk(3, part, x_ptr, g_ptr, w_ptr, cos_ptr, sin_ptr, row_mask, x_row, g_row, x_sd, g_sd,
                                r, tab_c, tab_s, c_sk, n_sk, C, NOPE, D, DOWNCAST, USE_PTX, STREAM)
             acc = acc + g3 * x3
-    d_sq = _d_sq(_combine(acc, BLOCK_R, LANES, 4, ACC_INNER, HALVING), r, inv_d, D, BLOCK_R, FLAVOR)
+        v = _one_pass_v(x0, x1, x2, x3, x0, x0, x0, x0, mean_factor, eps, NT, BLOCK_R, LANES, ACC_INNER, HALVING)
+    d_sq = _d_sq(_combine(acc, BLOCK_R, LANES, 4, ACC_INNER, HALVING), r, v, inv_d, D, BLOCK_R, FLAVOR)
     _put_dx_tiles(dx_ptr, rows, row_mask, g0, g1, g2, g3, g0, g0, g0, g0, x0, x1, x2, x3, x0, x0, x0, x0, r, d_sq,
                   NT, C, D, FLAVOR, DOWNCAST, STREAM)  # at most 4 chunks here
 

@@ -1,11 +1,11 @@
 """Device code of the prologue forward: norm (weightless or weighted) and RoPE of one row in one program.
 
-PHASE 1 (apply; the CPU path): ``r`` is given (Paddle's own rsqrt, see ``kernel.py``). PHASE 2 (fused; the
-GPU path): ``r = rsqrt(mean(x^2) + eps)`` is computed here, in the summation order of the eager path
-(``fleet_ext.ops.q_rms_norm.kernel_order``), and stored for the backward unless the backward recomputes it
-(``STORE_R`` false: one-pass plans only). ``ONE_PASS`` (torch's order, at most ``MAX_TILES`` chunks): the
-row's chunks stay in registers for the sum and the output, so each input byte is read once (plus the pe
-partners of the last chunks, from the same cache lines). Device code only.
+PHASE 1 (apply; the CPU path): ``r`` is given (the reference's own ``inv_sqrt``, see ``kernel.py``). PHASE 2
+(fused; the GPU path): ``r = 1 / sqrt(mean(x^2) + eps)`` (two correctly rounded operations) is computed here,
+in the summation order of the eager path (``fleet_ext.ops.q_rms_norm.kernel_order``), and stored for the
+backward unless the backward recomputes it (``STORE_R`` false: one-pass plans only). ``ONE_PASS`` (torch's
+order, at most ``MAX_TILES`` chunks): the row's chunks stay in registers for the sum and the output, so each
+input byte is read once (plus the pe partners of the last chunks, from the same cache lines). Device code only.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fleet_ext.ops.q_rms_norm.kernel_common import _one_pass_r, _put, _row_offsets, _row_sum, _row_tiles
+from fleet_ext.ops.q_rms_norm.kernel_common import _inv_sqrt, _one_pass_v, _put, _row_offsets, _row_tiles, _row_v
 from fleet_ext.ops.qkv_prologue.kernel_common import _out_cols, _table_offsets
 
 
@@ -38,11 +38,13 @@ def _fwd_one_pass(
     USE_PTX: tl.constexpr, STREAM: tl.constexpr, STORE_R: tl.constexpr,
 ):
     """PHASE 2, torch order: the row's (at most 8) chunks held in registers for the sum and the output; ``r``
-    from the q norm's ``_one_pass_r`` (the code a backward that recomputes ``r`` runs), written if STORE_R."""
+    from the q norm's ``_one_pass_v`` and ``_inv_sqrt`` (the code a backward that recomputes ``r`` runs), written if
+    STORE_R."""
     C: tl.constexpr = LANES * 4
     NT: tl.constexpr = (D + C - 1) // C
     x0, x1, x2, x3, x4, x5, x6, x7 = _row_tiles(x_ptr, x_row, x_sd, row_mask, C, D, NT, STREAM)
-    r = _one_pass_r(x0, x1, x2, x3, x4, x5, x6, x7, mean_factor, eps, NT, BLOCK_R, LANES, ACC_INNER, HALVING)
+    r = _inv_sqrt(_one_pass_v(x0, x1, x2, x3, x4, x5, x6, x7, mean_factor, eps, NT, BLOCK_R, LANES, ACC_INNER,
+                              HALVING))
     if STORE_R:
         tl.store(r_ptr + rows, r, mask=row_mask)
     _put_out(x0, 0, x_ptr, y_ptr, rows, row_mask, x_row, x_sd, r, w_ptr, cos_ptr, sin_ptr, tab_c, tab_s, c_sk, n_sk,
@@ -82,13 +84,8 @@ def _fwd_streamed(
     if PHASE == 1:
         r = tl.load(r_ptr + rows, mask=row_mask, other=0.0)
     else:
-        total = _row_sum(x_ptr, x_row, x_sd, x_ptr, x_row, x_sd, row_mask, True, D, BLOCK_R, LANES, NACC,
-                         ACC_INNER, HALVING)
-        if FLAVOR == 0:
-            ms = tl.math.div_rn(total, tl.full([BLOCK_R], D, tl.float32))
-        else:
-            ms = total * mean_factor
-        r = tl.math.rsqrt(ms + eps)
+        r = _inv_sqrt(_row_v(x_ptr, x_row, x_sd, row_mask, mean_factor, eps, D, BLOCK_R, LANES, NACC, ACC_INNER,
+                             HALVING, FLAVOR))
         tl.store(r_ptr + rows, r, mask=row_mask)
     out_dtype = y_ptr.dtype.element_ty
     for c0 in range(0, D, BLOCK_D):
@@ -116,7 +113,7 @@ def _norm_rope_fwd_kernel(
     ONE_PASS: tl.constexpr, FLAT_ROWS: tl.constexpr, STREAM: tl.constexpr, USE_PTX: tl.constexpr,
     STORE_R: tl.constexpr,
 ):
-    """y = rope(norm(x)) for BLOCK_R rows of x [b, s, h, d] (kv: h = 1); r = the norm's rsqrt, per row (written
+    """y = rope(norm(x)) for BLOCK_R rows of x [b, s, h, d] (kv: h = 1); r = the norm's 1 / sqrt, per row (written
     unless STORE_R is false, which only a one-pass plan sets: its backward recomputes r)."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < n_rows

@@ -22,7 +22,7 @@ from fleet_ext.ops.rope import reference as rope_reference
 def rms_norm(x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:
     """``weight * (x / sqrt(mean(x^2) + eps))`` over the last axis: fp32 compute, fp32 gain, cast back once."""
     xf = x.astype("float32")
-    normed = xf * paddle.rsqrt(xf.square().mean(axis=-1, keepdim=True) + eps)
+    normed = xf * q_rms_norm_reference.inv_sqrt(xf.square().mean(axis=-1, keepdim=True) + eps)
     return (weight * normed).astype(x.dtype)
 
 

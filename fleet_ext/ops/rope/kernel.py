@@ -46,6 +46,7 @@ from fleet_ext.ops.launch import (
     shape_of,
     strides_of,
 )
+from fleet_ext.ops.multiprocessors import multiprocessor_count
 from fleet_ext.ops.rounding import _add_rn, _mul_rn, _plus_zero, _sub_rn
 from fleet_ext.ops.strides import uniform_row_step
 
@@ -231,7 +232,7 @@ def _pow2_floor(n: int) -> int:
 # copy steps before the rotation (q [1, 4, 8, 512], pe 64: 7 steps; benchmarks/RESULTS.md, "Tiny shapes against
 # torch.compile"). The benchmark turns it off (then ``launch.clear_plans()``) to time both.
 TINY_SPLIT = True
-_FEW_PROGRAMS = 4 * 132
+_WAVES = 4  # programs per SM (multiprocessors.multiprocessor_count; the H200's 132 in the interpreter)
 TUNE: dict = {}  # the benchmark's sweep of the split launch: "split_rows" (BLOCK_M), "split_warps"
 
 
@@ -248,17 +249,18 @@ def _plan(total: int, d: int, half: int, copy_start: int, use_ptx: bool, split: 
         block_n //= 2
     if copy_width % block_n:
         block_n = min(128, _pow2(copy_width))
+    few = _WAVES * multiprocessor_count(_rope_kernel, 132)
     if use_ptx:
         # GPU: ~4096 elements per loop iteration (16-byte accesses for 4 warps), a few waves of programs.
         width = max(2 * block_k, block_n if copy_width > 0 else 1)
         block_m = _pow2_floor(4096 // width)
-        while block_m > 8 and triton.cdiv(total, block_m) < _FEW_PROGRAMS:
+        while block_m > 8 and triton.cdiv(total, block_m) < few:
             block_m //= 2
     else:
         # Interpreter: numpy pays per op, not per element, so take big tiles.
         block_m = _pow2_floor((1 << 17) // (2 * block_k + (_pow2(copy_width) if copy_width > 0 else 0)))
     block_m = min(block_m, _pow2(total))
-    split = split and use_ptx and copy_width > 0 and triton.cdiv(total, block_m) < _FEW_PROGRAMS
+    split = split and use_ptx and copy_width > 0 and triton.cdiv(total, block_m) < few
     return {"BLOCK_M": block_m, "BLOCK_K": block_k, "BLOCK_N": block_n, "SPLIT": split,
             "NCOPY": triton.cdiv(copy_width, block_n) if split else 0}
 
