@@ -275,32 +275,6 @@ def _time_reduce_split(row: dict, fl: dict, bwd) -> None:
         kernel_config.REDUCE_CONFIG_GPU.update(saved)
 
 
-def _time_partial_variants(row: dict, bwd) -> None:
-    """--partial-variants: the dkv-contribution kernel's output columns per step (``PARTIAL_BLOCK_D``) x its slot
-    tile: backward ms, the kernel's ms (profiler), and whether the gradients keep their bytes (they should)."""
-    ref = bwd()
-    saved_d = kernel_config.PARTIAL_BLOCK_D
-    row["partial_variants"] = {}
-    try:
-        for block_d, block_m, warps in ((64, 128, 8), (128, 128, 8), (256, 128, 8), (128, 64, 4), (128, 128, 4)):
-            kernel_config.PARTIAL_BLOCK_D = block_d
-            kernel.OVERRIDES["partial"] = [{"BLOCK_M": block_m, "num_warps": warps, "num_stages": 2}]
-            try:
-                same = all(torch.equal(a, b) for a, b in zip(bwd(), ref))
-                ms = median_ms(bwd, warmup=5, rep=40)
-                part = kernel_breakdown(bwd).get("_bwd_dkv_partial_kernel", float("nan"))
-                row["partial_variants"][f"d{block_d}m{block_m}w{warps}"] = {"bwd_ms": ms, "partial_ms": part,
-                                                                            "same": same}
-            except Exception as exc:  # e.g. out of resources: report, go on
-                row["partial_variants"][f"d{block_d}m{block_m}w{warps}"] = {"error": str(exc)[:120]}
-    finally:
-        kernel_config.PARTIAL_BLOCK_D = saved_d
-        kernel.OVERRIDES.pop("partial", None)
-    print(f"  {row['shape']} partial variants (bwd ms / kernel ms / same bytes): " + ", ".join(
-        f"{k} {v['bwd_ms']:.2f}/{v['partial_ms']:.3f}/{v['same']}" if "error" not in v else f"{k} {v['error']}"
-        for k, v in row["partial_variants"].items()), flush=True)
-
-
 def _time_overrides(name: str, configs: dict, fn, warmup: int, rep: int, digits: int) -> dict:
     """Median ms of ``fn`` with each launch configuration of kernel ``name`` (errors recorded, not hidden)."""
     out = {}
@@ -447,8 +421,6 @@ def bench_shape(shape: dict, args, rows: list) -> None:
         _time_variants(row, fwd, bwd)
     if args.reduce_ab:
         _time_reduce_split(row, fl, bwd)
-    if args.partial_variants:
-        _time_partial_variants(row, bwd)
     _print_row(shape, row)
     if args.baselines:
         _time_eager(row, fl, args, q, kv, idx, sink, d_out, scale, d_v)
@@ -469,8 +441,6 @@ def main() -> None:
                              "dkv contributions; check the bound changes no byte")
     parser.add_argument("--reduce-ab", action="store_true",
                         help="the dkv reduce with one program per row vs long rows split (alternating rounds)")
-    parser.add_argument("--partial-variants", action="store_true",
-                        help="the dkv-contribution kernel's column step and slot tile (byte check)")
     parser.add_argument("--eager-max-seq", type=int, default=4096)
     parser.add_argument("--dense", action="store_true", help="dense causal mode rows (bench_sparse_attn_dense.py)")
     parser.add_argument("--dense-shapes", nargs="*", default=[

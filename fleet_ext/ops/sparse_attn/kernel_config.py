@@ -35,7 +35,6 @@ PARTIAL_CONFIGS_GPU = [
     {"BLOCK_M": 64, "num_warps": 4, "num_stages": 1},
 ]
 REDUCE_CONFIG_GPU = {"BLOCK_P": 16, "num_warps": 4, "num_stages": 1}
-PARTIAL_BLOCK_D = 64  # output columns per step of the dkv-contribution GEMM on a GPU (any value: the same bytes)
 _GPU = {"fwd": FWD_CONFIGS_GPU, "dq": DQ_CONFIGS_GPU, "partial": PARTIAL_CONFIGS_GPU}
 _INTERP = {"fwd": [{"BLOCK_N": 16}], "dq": [{"BLOCK_N": 16}], "partial": [{"BLOCK_M": 16}],
            "reduce": {"BLOCK_P": 4}}
