@@ -400,7 +400,7 @@ def _bwd_dq(call: _BwdCall, bufs: _PairBuffers, t0: int, tc: int) -> None:
     """Step 2 for queries [t0, t0 + tc): dq, and P and dS into the pair buffers."""
     q, heads, d_qk, d_v, width = call.q, call.heads, call.d_qk, call.d_v, call.width
     launch_first_fitting(
-        "dq", _bwd_dq_kernel, (tc, bufs.h_pad // bufs.block_h), (d_qk, d_v, bufs.block_h, dtype_name(q)),
+        "dq", _bwd_dq_kernel, (tc * (bufs.h_pad // bufs.block_h),), (d_qk, d_v, bufs.block_h, dtype_name(q)),
         configs_for("dq"),
         q, call.kv, call.d_out, call.idx, call.topk, call.lse, call.delta, call.dq, bufs.p_buf, bufs.ds_buf,
         heads, call.n_kv, width, t0, float(call.scale) * _LOG2E, float(call.scale), bufs.h_pad,
@@ -418,7 +418,7 @@ def _bwd_pairs(call: _BwdCall, bufs: _PairBuffers, t0: int, tc: int) -> tuple[in
     interp = capability.detect().interpreter
     h_pad = bufs.h_pad
     launch_first_fitting(
-        "partial", _bwd_dkv_partial_kernel, lambda m, tc=tc: (tc, triton.cdiv(width, m["BLOCK_M"])),
+        "partial", _bwd_dkv_partial_kernel, lambda m, tc=tc: (tc * triton.cdiv(width, m["BLOCK_M"]),),
         (d_qk, d_v, h_pad, dtype_name(q), call.partial_dtype), configs_for("partial"),
         q, call.d_out, call.topk, bufs.p_buf, bufs.ds_buf, bufs.part,
         heads, width, t0, h_pad, heads * d_qk, d_qk, heads * d_v, d_v, d_qk,

@@ -69,8 +69,9 @@ def _bwd_dq_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_H: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, PREC: tl.constexpr,
 ):
-    pid_t = tl.program_id(0)
-    pid_h = tl.program_id(1)
+    # 1-D grid, a query's head blocks next to each other: they gather the same kv rows close together in time (L2)
+    pid_t = tl.program_id(0) // (H_PAD // BLOCK_H)
+    pid_h = tl.program_id(0) % (H_PAD // BLOCK_H)
     tl_local = pid_t.to(tl.int64)
     t = t_begin + tl_local
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -146,8 +147,9 @@ def _bwd_dkv_partial_kernel(
     D_V: tl.constexpr, D_TAIL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_HP: tl.constexpr,
     BLOCK_D: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, PREC: tl.constexpr,
 ):
-    pid_t = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    # 1-D grid, a query's slot blocks next to each other: they read the same Q_t and dO_t rows (L2, not HBM)
+    pid_t = tl.program_id(0) // tl.cdiv(K, BLOCK_M)
+    pid_m = tl.program_id(0) % tl.cdiv(K, BLOCK_M)
     tl_local = pid_t.to(tl.int64)
     t = t_begin + tl_local
     n_valid = K
