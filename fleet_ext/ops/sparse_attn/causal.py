@@ -68,7 +68,10 @@ GPU_CONFIGS = {
 INTERP_CONFIGS = {name: [{"BLOCK_N": 16}] for name in GPU_CONFIGS}
 INTERP_CONFIGS["causal_dkv"] = [{"BLOCK_N": 16, "BLOCK_M": 16}]
 MAX_DKV_SPLITS = 16
-DKV_PROGRAMS = 528  # the default slices aim at about this many dkv programs (4 waves of the H200's 132 SMs)
+# The default slices aim at about this many dkv programs (4 waves of the H200's 132 SMs). A constant, not the
+# device's SM count (``ops.multiprocessors``): the slice count sets dkv's summation order, so the same shapes give
+# the same bits on every GPU.
+DKV_PROGRAMS = 528
 
 
 def _configs(name: str) -> list[dict]:
