@@ -40,10 +40,10 @@ from tests.helpers.tolerances import tolerance  # noqa: E402
 SEQ, BATCH, CP = 64, 2, 2
 # Sequence lengths other than SEQ. The -2 layers on interpreted Triton kernels run 32 tokens (at 64 they took ~50 s of
 # CI): chunks of 16 still take the window halo (8) and the indexer's top-k (6), and rank 1's keys span two 16-slot
-# tiles. dsv4_seq32 / dsv4_seq48: the lengths at which CP=2 once missed one process by ~3e-7 relative (Paddle CPU's
+# tiles. dsv4_seq32 / 48 / 96: the lengths at which CP=2 once missed one process by ~3e-7 relative (Paddle CPU's
 # rsqrt depends on an element's place in its vectorised loop, and a rank's [.., 1] norm statistics are shorter than one
 # process's; the norms now take 1/sqrt from correctly rounded ops, fleet_ext.ops.q_rms_norm.reference.inv_sqrt).
-CASE_SEQ = {"mla_sparse_triton": 32, "mla_warmup_triton": 32, "dsv4_seq32": 32, "dsv4_seq48": 48}
+CASE_SEQ = {"mla_sparse_triton": 32, "mla_warmup_triton": 32, "dsv4_seq32": 32, "dsv4_seq48": 48, "dsv4_seq96": 96}
 DSV4 = {"csa_compress_ratios": [0, 4, 128, -1], "hca_compress_ratio": 8, "dsa_index_topk": 5,
         "moe_router_load_balancing_type": "seq_aux_loss", "moe_aux_loss_coeff": 0.01}
 FUSED = {"apply_rope_fusion": True, "fuse_inv_rope_into_vha_postmix": True, "use_vha_attention": True,
@@ -56,6 +56,7 @@ CASES = {
     "dsv4_kinds": DSV4,
     "dsv4_seq32": DSV4,
     "dsv4_seq48": DSV4,
+    "dsv4_seq96": DSV4,
     "csa_dense": {**DSV4, "csa_dense_mode": True},
     "csa_kl": {**DSV4, "dsa_indexer_loss_coeff": 0.1},  # the CSA indexer KL: rows of the whole sequence
     "dsv4_fused": {**DSV4, **FUSED},
