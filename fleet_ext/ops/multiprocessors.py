@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+H200_SMS = 132  # what the norm and RoPE heuristics take in the interpreter: the GPU geometry they were tuned on
 _COUNT: list[int] = []  # the active device's count, read on first use (one kind of GPU per process)
 
 

@@ -324,13 +324,19 @@ def layer_fused_fwd_bwd(x: Tensor, wr: Tensor, bias: Tensor, w1: Tensor, w2: Ten
     return out, d_x.to(x.dtype), d_logits.t() @ x.float(), d_w1, d_w2
 
 
-def layer_rows(tokens: int, experts: int, log: Callable) -> dict[str, Any]:
+def layer_inputs(tokens: int, experts: int) -> tuple[Tensor, ...]:
+    """(x, router weight, bias, W1, W2, output gradient) of the whole-layer rows, from fixed seeds."""
     gen = torch.Generator(device=DEVICE).manual_seed(11)
     x = torch.randn(tokens, D, generator=gen, device=DEVICE).bfloat16()
     wr = torch.randn(experts, D, generator=gen, device=DEVICE) * 0.02
     bias = torch.randn(experts, generator=gen, device=DEVICE) * 0.01
     g = torch.randn(tokens, D, generator=gen, device=DEVICE).bfloat16()
     w1, w2 = weights(experts, seed=12)
+    return x, wr, bias, w1, w2, g
+
+
+def layer_rows(tokens: int, experts: int, log: Callable) -> dict[str, Any]:
+    x, wr, bias, w1, w2, g = layer_inputs(tokens, experts)
 
     def mirror(grouped: bool):
         def run():

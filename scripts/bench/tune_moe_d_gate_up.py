@@ -80,7 +80,6 @@ def run_case(experts: int, log) -> dict:
     finally:
         ek.TUNE["d_gate_up"][regime] = saved
     row["runs"] = runs
-    row["best"] = min((r for r in runs if r["same_bytes_as_first"]), key=lambda r: r["ms"])
     return row
 
 
@@ -96,12 +95,7 @@ def layer(experts: int, tokens: list[int], log) -> list[dict]:
 
 def profile_layer(tokens: int, experts: int) -> None:
     """GPU time per kernel name of one fused layer forward + backward (the committed defaults), largest first."""
-    gen = torch.Generator(device=cme.DEVICE).manual_seed(11)
-    x = torch.randn(tokens, cme.D, generator=gen, device=cme.DEVICE).bfloat16()
-    wr = torch.randn(experts, cme.D, generator=gen, device=cme.DEVICE) * 0.02
-    bias = torch.randn(experts, generator=gen, device=cme.DEVICE) * 0.01
-    g = torch.randn(tokens, cme.D, generator=gen, device=cme.DEVICE).bfloat16()
-    w1, w2 = cme.weights(experts, seed=12)
+    x, wr, bias, w1, w2, g = cme.layer_inputs(tokens, experts)
     run = lambda: cme.layer_fused_fwd_bwd(x, wr, bias, w1, w2, g, experts)  # noqa: E731
     for _ in range(3):
         run()

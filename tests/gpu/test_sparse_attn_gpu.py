@@ -275,6 +275,8 @@ def test_hca_rows_split_into_reduce_items(chunk, monkeypatch):
     q, kv, _, sink, d_out, d_lse = make_case(seq, heads, 512, 512, 160, 128, n_extra=seq // 128, seed=5)
     idx = hca_index(seq)
     assert kernel.reduce_chunk(seq * idx.shape[1], kv.shape[0]) == (chunk or 1024)
+    pairs = torch.bincount(idx[idx >= 0].long(), minlength=kv.shape[0])
+    assert int(pairs.max()) > 2 * (chunk or 1024)  # the first compressed row: split into several items
     before = launch.LAUNCH_COUNTS["_bwd_dkv_combine_kernel"]
     check(q, kv, idx, sink, 512, d_out, d_lse)
     assert launch.LAUNCH_COUNTS["_bwd_dkv_combine_kernel"] > before

@@ -95,7 +95,7 @@ from fleet_ext.ops.launch import (
     shape_of,
     strides_of,
 )
-from fleet_ext.ops.multiprocessors import multiprocessor_count
+from fleet_ext.ops.multiprocessors import H200_SMS, multiprocessor_count
 from fleet_ext.ops.q_rms_norm import kernel_order
 from fleet_ext.ops.q_rms_norm.kernel_bwd import _q_rms_norm_bwd_kernel
 from fleet_ext.ops.q_rms_norm.kernel_fwd import _q_rms_norm_fwd_kernel
@@ -159,8 +159,7 @@ TUNE: dict = {}
 FWD_TINY = True
 FWD_TINY_ROWS = 2
 # fewer row blocks than the GPU's SMs leave SMs idle (the threshold, not a launch limit); the interpreter takes the
-# H200's 132 (tests/single_card_tests/test_fusion_q_rms_norm.py plays the GPU geometry there)
-_INTERPRETED_SMS = 132
+# H200's count (tests/single_card_tests/test_fusion_q_rms_norm.py plays the GPU geometry there)
 
 
 def _one_pass(d: int, order: Order, phase: int = PHASE_FUSED) -> bool:
@@ -179,7 +178,7 @@ def _config(d: int, order: Order, backward: bool = False, phase: int = PHASE_FUS
         warps = int(TUNE.get("bwd_warps" if backward else "fwd_warps", BWD_WARPS if backward else FWD_WARPS))
         block_r = max(1, min(64, rows_128 * 128 // chunk))
         if FWD_TINY and not backward and rows is not None and triton.cdiv(rows, block_r) < multiprocessor_count(
-                _q_rms_norm_fwd_kernel, _INTERPRETED_SMS):
+                _q_rms_norm_fwd_kernel, H200_SMS):
             block_r = max(1, min(64, FWD_TINY_ROWS * 128 // chunk))
         block_d = min(triton.next_power_of_2(d), 256)
     else:  # ~2048 fp32 accumulators per program (16 per thread at 4 warps), 16-byte loads

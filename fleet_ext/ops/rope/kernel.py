@@ -46,7 +46,7 @@ from fleet_ext.ops.launch import (
     shape_of,
     strides_of,
 )
-from fleet_ext.ops.multiprocessors import multiprocessor_count
+from fleet_ext.ops.multiprocessors import H200_SMS, multiprocessor_count
 from fleet_ext.ops.rounding import _add_rn, _mul_rn, _plus_zero, _sub_rn
 from fleet_ext.ops.strides import uniform_row_step
 
@@ -232,7 +232,7 @@ def _pow2_floor(n: int) -> int:
 # copy steps before the rotation (q [1, 4, 8, 512], pe 64: 7 steps; benchmarks/RESULTS.md, "Tiny shapes against
 # torch.compile"). The benchmark turns it off (then ``launch.clear_plans()``) to time both.
 TINY_SPLIT = True
-_WAVES = 4  # programs per SM (multiprocessors.multiprocessor_count; the H200's 132 in the interpreter)
+_WAVES = 4  # programs per SM (multiprocessors.multiprocessor_count; the H200's count in the interpreter)
 TUNE: dict = {}  # the benchmark's sweep of the split launch: "split_rows" (BLOCK_M), "split_warps"
 
 
@@ -249,7 +249,7 @@ def _plan(total: int, d: int, half: int, copy_start: int, use_ptx: bool, split: 
         block_n //= 2
     if copy_width % block_n:
         block_n = min(128, _pow2(copy_width))
-    few = _WAVES * multiprocessor_count(_rope_kernel, 132)
+    few = _WAVES * multiprocessor_count(_rope_kernel, H200_SMS)
     if use_ptx:
         # GPU: ~4096 elements per loop iteration (16-byte accesses for 4 warps), a few waves of programs.
         width = max(2 * block_k, block_n if copy_width > 0 else 1)
