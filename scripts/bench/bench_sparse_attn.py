@@ -275,6 +275,38 @@ def _time_reduce_split(row: dict, fl: dict, bwd) -> None:
         kernel_config.REDUCE_CONFIG_GPU.update(saved)
 
 
+def _time_dq_kernels(row: dict, fl: dict, bwd) -> None:
+    """--dq-ab: the backward with the Triton dq kernel vs the warp-specialised Gluon one (``kernel_config.DQ_KERNEL``,
+    where it fits), three alternating rounds each; dq's and dkv's relative difference; both breakdowns."""
+    runs: dict[str, list[float]] = {"triton": [], "gluon": []}
+    grads, breakdown = {}, {}
+    try:
+        for _ in range(3):
+            for choice in runs:
+                kernel_config.DQ_KERNEL = choice
+                if choice not in grads:
+                    grads[choice] = bwd()
+                    breakdown[choice] = kernel_breakdown(bwd)
+                runs[choice].append(median_ms(bwd, warmup=5, rep=40))
+    except ValueError as exc:  # the Gluon kernel cannot run this shape: say so
+        row["dq_ab"] = str(exc)[:160]
+        return
+    finally:
+        kernel_config.DQ_KERNEL = "triton"
+    for k, name in ((0, "dq"), (1, "dkv")):
+        a, b = grads["gluon"][k].float(), grads["triton"][k].float()
+        row[f"dq_ab_{name}_rel"] = float((a - b).norm() / b.norm())
+    for choice in runs:
+        row[f"bwd_dq_{choice}_ms"] = sorted(runs[choice])[1]
+        row[f"bwd_dq_{choice}_tflops"] = fl["bwd"] / row[f"bwd_dq_{choice}_ms"] / 1e9
+        row[f"breakdown_dq_{choice}_ms"] = breakdown[choice]
+    names = (("triton", "_bwd_dq_kernel"), ("gluon", "_bwd_dq_ws_kernel"))
+    dq_ms = {c: breakdown[c].get(k, float("nan")) for c, k in names}
+    print(f"  {row['shape']} dq A/B: bwd triton {row['bwd_dq_triton_ms']:.2f} / gluon {row['bwd_dq_gluon_ms']:.2f} ms, "
+          f"dq kernel {dq_ms['triton']:.3f} / {dq_ms['gluon']:.3f} ms, dq rel {row['dq_ab_dq_rel']:.2e}, "
+          f"dkv rel {row['dq_ab_dkv_rel']:.2e}", flush=True)
+
+
 def _time_overrides(name: str, configs: dict, fn, warmup: int, rep: int, digits: int) -> dict:
     """Median ms of ``fn`` with each launch configuration of kernel ``name`` (errors recorded, not hidden)."""
     out = {}
@@ -421,6 +453,8 @@ def bench_shape(shape: dict, args, rows: list) -> None:
         _time_variants(row, fwd, bwd)
     if args.reduce_ab:
         _time_reduce_split(row, fl, bwd)
+    if args.dq_ab:
+        _time_dq_kernels(row, fl, bwd)
     _print_row(shape, row)
     if args.baselines:
         _time_eager(row, fl, args, q, kv, idx, sink, d_out, scale, d_v)
@@ -441,6 +475,7 @@ def main() -> None:
                              "dkv contributions; check the bound changes no byte")
     parser.add_argument("--reduce-ab", action="store_true",
                         help="the dkv reduce with one program per row vs long rows split (alternating rounds)")
+    parser.add_argument("--dq-ab", action="store_true", help="the Triton dq kernel vs the warp-specialised Gluon one")
     parser.add_argument("--eager-max-seq", type=int, default=4096)
     parser.add_argument("--dense", action="store_true", help="dense causal mode rows (bench_sparse_attn_dense.py)")
     parser.add_argument("--dense-shapes", nargs="*", default=[

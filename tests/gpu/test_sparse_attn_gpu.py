@@ -255,6 +255,46 @@ def test_ws_forward_dense_causal(batch, seq, heads, n_keys, q_offset, d_qk):
                       f"dense B={batch} S={seq} H={heads} N={n_keys} offset={q_offset} d={d_qk}")
 
 
+@pytest.mark.parametrize(
+    "seq, heads, d_qk, topk, window, n_extra, edges",
+    [(4096, 128, 576, 2048, 128, 0, False), (4096, 64, 512, 640, 128, 1024, False), (300, 64, 576, 96, 16, 0, True)],
+    ids=["v32_h128", "v4_csa_h64", "edges_h64"],
+)
+def test_ws_dq(seq, heads, d_qk, topk, window, n_extra, edges, monkeypatch):
+    """The warp-specialised Gluon dq kernel (kernel_bwd_dq_ws.py) forced: the backward within the fp32 reference's
+    bounds, byte-identical run to run and with / without the trailing bound (``check``); dq and dkv within the same
+    bounds of the Triton dq kernel's on the same inputs (not bitwise: other MMA shapes); a 5 % logit-scale error
+    planted in the backward call lands over the bound (the comparison can fail)."""
+    _needs_hopper()
+    d_v = 512
+    q, kv, idx, sink, d_out, d_lse = make_case(seq, heads, d_qk, d_v, topk, window, n_extra, seed=6)
+    topk_length = None
+    if edges:  # empty rows, duplicates, topk_length (every block count, partial last blocks)
+        idx[:7] = -1
+        idx[50:60, 1::2] = idx[50:60, 0:1]
+        gen = torch.Generator(device=DEV).manual_seed(7)
+        topk_length = torch.randint(0, topk + 1, (seq,), device=DEV, generator=gen, dtype=torch.int32)
+    monkeypatch.setattr(kernel_config, "DQ_KERNEL", "gluon")
+    before = launch.LAUNCH_COUNTS["_bwd_dq_ws_kernel"]
+    check(q, kv, idx, sink, d_v, d_out, d_lse, topk_length=topk_length)
+    assert launch.LAUNCH_COUNTS["_bwd_dq_ws_kernel"] >= before + 3
+    scale = 1.0 / math.sqrt(d_qk)
+    out, lse = kernel.sparse_attn_fwd(q, kv, idx, sink, scale, d_v=d_v, topk_length=topk_length)
+
+    def bwd(factor: float = 1.0):
+        return kernel.sparse_attn_bwd(q, kv, idx, sink, scale * factor, out, lse, d_out, d_lse, d_v=d_v,
+                                      topk_length=topk_length)
+
+    ws, planted = bwd(), bwd(1.05)
+    monkeypatch.setattr(kernel_config, "DQ_KERNEL", "triton")
+    ref = bwd()
+    errors = {"dq_vs_triton": rel(ws[0], ref[0]), "dkv_vs_triton": rel(ws[1], ref[1]),
+              "planted_dq": rel(planted[0], ref[0])}
+    print(f"[ws dq {tuple(q.shape)} K={topk}] " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()))
+    assert errors["dq_vs_triton"] <= TOL["dq"] and errors["dkv_vs_triton"] <= TOL["dkv"], errors
+    assert errors["planted_dq"] > TOL["dq"], f"a 5 % logit-scale error went unnoticed: {errors}"
+
+
 def hca_index(seq: int, window: int = 128, ratio: int = 128) -> torch.Tensor:
     """DSv4 HCA's table: the ``window`` latest raw keys, then every visible compressed entry (kv rows seq + c,
     c < (t + 1) / ratio): the compressed rows are read by nearly every query."""

@@ -1,6 +1,6 @@
 """The Gluon kernels compiled for sm90 on the CPU, without a GPU: the warp-specialised sparse-attention forward
-(``sparse_attn/kernel_fwd_ws.py``), and the grouped gate+up GEMM and expert weight gradient
-(``moe_experts/kernel_gate_up_ws.py``, ``kernel_d_weight_ws.py``).
+(``sparse_attn/kernel_fwd_ws.py``) and backward dq step (``kernel_bwd_dq_ws.py``), and the grouped gate+up GEMM
+and expert weight gradient (``moe_experts/kernel_gate_up_ws.py``, ``kernel_d_weight_ws.py``).
 
 They run only on Hopper (their results are tested on the H200 by ``tests/gpu/test_sparse_attn_gpu.py`` and
 ``tests/gpu/test_moe_experts_gpu.py``), but two properties that decide their speed are visible in the compiler's
@@ -47,6 +47,7 @@ from fleet_ext.ops.moe_experts import kernel_bwd as moe_kernel_bwd  # noqa: E402
 from fleet_ext.ops.moe_experts.kernel_d_weight_ws import _d_weight_ws_kernel  # noqa: E402
 from fleet_ext.ops.moe_experts.kernel_gate_up_ws import _gate_up_ws_kernel  # noqa: E402
 from fleet_ext.ops.sparse_attn import kernel_config  # noqa: E402
+from fleet_ext.ops.sparse_attn.kernel_bwd_dq_ws import _bwd_dq_ws_kernel  # noqa: E402
 from fleet_ext.ops.sparse_attn.kernel_fwd_ws import _sparse_attn_fwd_ws_kernel  # noqa: E402
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
@@ -75,6 +76,20 @@ def compile_ws_forward(tail: int, dense: bool):
     constexprs = {"D_TAIL": tail, "BLOCK_H": 64, "HAS_TOPK_LEN": not dense, "DENSE": dense, "HEAD_BLOCKS": 2, **meta}
     signature = {**pointers, **scalars, "qk_scale": "fp32", **strides, **{k: "constexpr" for k in constexprs}}
     return compile_sm90(_sparse_attn_fwd_ws_kernel, signature, constexprs, (*pointers, *strides), **options)
+
+
+def compile_ws_dq(tail: int):
+    """The backward's dq kernel at ``kernel_config.WS_DQ_META``, as ``kernel._bwd_dq`` launches it."""
+    pointers = {"Q": "*bf16", "KV": "*bf16", "DOUT": "*bf16", "IDX": "*i32", "TOPK_LEN": "*i32", "LSE": "*fp32",
+                "DELTA": "*fp32", "DQ": "*bf16", "P_BUF": "*bf16", "DS_BUF": "*bf16"}
+    scalars = {"H": "i32", "N": "i32", "K": "i32", "t_begin": "i32", "qk_scale": "fp32", "scale": "fp32",
+               "H_PAD": "i32"}
+    strides = {n: "i32" for n in ("stride_qt", "stride_qh", "stride_kvn", "stride_it", "stride_dot", "stride_doh")}
+    meta = dict(kernel_config.WS_DQ_META)
+    options = {k: meta.pop(k) for k in ("num_warps", "maxnreg")}
+    constexprs = {"D_TAIL": tail, "BLOCK_H": 64, "HAS_TOPK_LEN": True, "HEAD_BLOCKS": 2, **meta}
+    signature = {**pointers, **scalars, **strides, **{k: "constexpr" for k in constexprs}}
+    return compile_sm90(_bwd_dq_ws_kernel, signature, constexprs, (*pointers, *strides), **options)
 
 
 def compile_gate_up_ws(coop: bool):
@@ -142,6 +157,17 @@ def test_attention_defaults_compile_without_wgmma_serialisation_or_spills(tail, 
     assert spilled <= (64 if dense else 0), f"{spilled} bytes spilled"
 
 
+@pytest.mark.parametrize("tail", [64, 0], ids=["v32_tail64", "dsv4_tail0"])
+def test_dq_defaults_compile_without_wgmma_serialisation(tail, tmp_path):
+    """The backward's warp-specialised dq kernel (``kernel_bwd_dq_ws.py``) at its launch defaults."""
+    meta, ptx = compiled_in_subprocess(f"dq-{tail}", tmp_path)
+    assert meta["shared"] <= SM90_SHARED_BYTES
+    assert ptx.count("wgmma.mma_async") > 0
+    serialised, spilled = ptxas_report(ptx, tmp_path)
+    assert not serialised, "ptxas serialises the wgmma instructions"
+    assert spilled <= 16, f"{spilled} bytes spilled"
+
+
 @pytest.mark.parametrize("case", ["gate_up-0", "gate_up-1", "d_weight"],
                          ids=["gate_up_ping_pong", "gate_up_cooperative", "d_weight"])
 def test_moe_gemm_defaults_compile_without_wgmma_serialisation(case, tmp_path):
@@ -190,6 +216,8 @@ if __name__ == "__main__":  # the subprocess of ``compiled_in_subprocess``: <cas
                               num_warps=4)
     elif case == "d_weight":
         kernel = compile_d_weight_ws()
+    elif case.startswith("dq-"):
+        kernel = compile_ws_dq(int(case.split("-")[1]))
     elif case.startswith("gate_up-"):
         kernel = compile_gate_up_ws(case.endswith("1"))
     else:

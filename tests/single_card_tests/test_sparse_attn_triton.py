@@ -377,3 +377,20 @@ def test_warp_specialised_forward_is_chosen_only_where_it_runs(monkeypatch):
     with pytest.raises(ValueError, match=r"sparse_attn_fwd: kernel_config.FWD_KERNEL = 'gluon' cannot run here: "
                                          r"not a Hopper GPU \(sm90\)"):
         kernel.sparse_attn_fwd(q, kv, idx, sink, 0.1, d_v=512)
+
+
+def test_warp_specialised_dq_is_chosen_only_where_it_runs(monkeypatch):
+    """The Gluon dq kernel (kernel_bwd_dq_ws.py, Hopper only: tests/gpu/test_sparse_attn_gpu.py) is never picked
+    here, not even under "auto", and forcing it names why it cannot run."""
+    from fleet_ext.ops.sparse_attn import kernel_config
+
+    q, kv, idx, sink, d_out, d_lse = make_case(41, 4, 3, 48, 32, 6, 5)
+    assert kernel_config.ws_dq_fits("bfloat16", 576, 512, 32).startswith("not a Hopper GPU")
+    monkeypatch.setattr(kernel_config, "DQ_KERNEL", "auto")
+    with expect_launches("_bwd_dq_kernel", exactly=1):
+        run_kernels(q, kv, idx, sink, 0.3, 32, d_out, d_lse)
+    assert launch.LAUNCH_COUNTS["_bwd_dq_ws_kernel"] == 0
+    monkeypatch.setattr(kernel_config, "DQ_KERNEL", "gluon")
+    with pytest.raises(ValueError, match=r"sparse_attn_bwd: kernel_config.DQ_KERNEL = 'gluon' cannot run here: "
+                                         r"not a Hopper GPU \(sm90\)"):
+        run_kernels(q, kv, idx, sink, 0.3, 32, d_out, d_lse)

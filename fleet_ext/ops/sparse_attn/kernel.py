@@ -33,7 +33,8 @@ fixed order, so the same inputs give byte-identical ``dq``, ``dkv`` and ``d_sink
    ``d_sink_h = -sum_t exp(sink_h - LSE) * delta``; ``_dsink_reduce`` sums the partials in a fixed loop.
 2. ``_bwd_dq`` (query-major, one program per (query, head block)): recompute ``P = exp2(s - LSE2)``,
    ``dP = dO V^T``, ``dS = scale * P * (dP - delta)``, accumulate ``dq`` over the index row in registers,
-   and write ``P`` and ``dS`` (input dtype) to a pair-major buffer ``[pairs, H_pad]``.
+   and write ``P`` and ``dS`` (input dtype) to a pair-major buffer ``[pairs, H_pad]``. On Hopper it can run the
+   warp-specialised Gluon kernel ``kernel_bwd_dq_ws.py`` instead (``kernel_config.DQ_KERNEL``).
 3. ``_bwd_dkv_partial``: for each (query, block of slots) the per-pair dkv contribution
    ``dS^T Q_t + P^T dO_t`` — a GEMM that reduces over *all* heads at once — written to
    ``part [pairs, d_qk]`` (fp32 by default).
@@ -92,6 +93,7 @@ from fleet_ext.ops.sparse_attn.kernel_bwd import (
     _csr_rowptr_kernel,
     _dsink_reduce_kernel,
 )
+from fleet_ext.ops.sparse_attn.kernel_bwd_dq_ws import _bwd_dq_ws_kernel
 from fleet_ext.ops.sparse_attn.kernel_config import OVERRIDES, configs_for, launch_first_fitting, reduce_config
 from fleet_ext.ops.sparse_attn.kernel_fwd import _row_bound_kernel, _sparse_attn_fwd_kernel
 from fleet_ext.ops.sparse_attn.kernel_fwd_ws import _sparse_attn_fwd_ws_kernel
@@ -396,9 +398,30 @@ class _BwdCall:
                 "PREC": _prec(self.q)}
 
 
+def _use_ws_dq(call: _BwdCall, bufs: _PairBuffers) -> bool:
+    """Whether step 2 runs the warp-specialised Gluon dq kernel (``kernel_config.DQ_KERNEL``)."""
+    choice = kernel_config.DQ_KERNEL
+    if choice == "triton":
+        return False
+    why_not = kernel_config.ws_dq_fits(dtype_name(call.q), call.d_qk, call.d_v, bufs.block_h)
+    if why_not is None and any(int(torch_view(x).data_ptr()) % 16 for x in (call.q, call.kv, call.d_out)):
+        why_not = "rows not 16-byte aligned (cp.async copies 16 bytes)"
+    if choice == "gluon" and why_not is not None:
+        raise ValueError(f"sparse_attn_bwd: kernel_config.DQ_KERNEL = 'gluon' cannot run here: {why_not}")
+    return why_not is None
+
+
 def _bwd_dq(call: _BwdCall, bufs: _PairBuffers, t0: int, tc: int) -> None:
     """Step 2 for queries [t0, t0 + tc): dq, and P and dS into the pair buffers."""
     q, heads, d_qk, d_v, width = call.q, call.heads, call.d_qk, call.d_v, call.width
+    if _use_ws_dq(call, bufs):
+        head_blocks = bufs.h_pad // 64
+        launch(_bwd_dq_ws_kernel, (tc * head_blocks,), q, call.kv, call.d_out, call.idx, call.topk, call.lse,
+               call.delta, call.dq, bufs.p_buf, bufs.ds_buf, heads, call.n_kv, width, t0,
+               float(call.scale) * _LOG2E, float(call.scale), bufs.h_pad, heads * d_qk, d_qk, d_qk, width,
+               heads * d_v, d_v, D_TAIL=d_qk - d_v, BLOCK_H=64, HAS_TOPK_LEN=call.has_topk_len,
+               HEAD_BLOCKS=head_blocks, **kernel_config.WS_DQ_META)
+        return
     launch_first_fitting(
         "dq", _bwd_dq_kernel, (tc * (bufs.h_pad // bufs.block_h),), (d_qk, d_v, bufs.block_h, dtype_name(q)),
         configs_for("dq"),

@@ -51,6 +51,14 @@ WS_FWD_META = {"num_warps": 4, "maxnreg": 168, "RIGHT_REGS": 168, "GATHER_REGS":
 WS_FWD_TILES = {64: {"BLOCK_N": 64, "NUM_STAGES": 2, "P_IN_REGS": True},
                 0: {"BLOCK_N": 64, "NUM_STAGES": 2, "P_IN_REGS": True}}
 
+# The backward's dq step: "triton" (``kernel_bwd._bwd_dq_kernel``, the default until the Gluon kernel is measured),
+# "auto" (the warp-specialised Gluon dq kernel, ``kernel_bwd_dq_ws.py``, wherever ``ws_dq_fits`` says it can run),
+# "gluon" (forced: raises where it cannot run).
+DQ_KERNEL = "triton"
+# Registers: B warpgroup 208, gather 48, warpgroup A the rest (the sm90 compile's split without spills of note);
+# 32 keys per block, two stages (Q, dO and two 32-row stages take 225,744 of the 232,448 bytes of shared memory).
+WS_DQ_META = {"num_warps": 4, "maxnreg": 168, "B_REGS": 208, "GATHER_REGS": 48, "BLOCK_N": 32, "NUM_STAGES": 2}
+
 _CHOSEN: dict[tuple, dict] = {}
 OVERRIDES: dict[str, list[dict]] = {}  # kernel name -> configurations to try instead (benchmarks)
 
@@ -74,6 +82,15 @@ def ws_forward_fits(dtype: str, d_qk: int, d_v: int) -> str | None:
     if d_v != 512 or d_qk - d_v not in (0, 64):
         return f"widths d_qk {d_qk} / d_v {d_v} (needs 512 / 512 or 576)"
     return None
+
+
+def ws_dq_fits(dtype: str, d_qk: int, d_v: int, block_h: int) -> str | None:
+    """None when the warp-specialised dq kernel can run this call, else why not: the forward's conditions and
+    64-head tiles (at least 64 heads, padded to a power of two)."""
+    why_not = ws_forward_fits(dtype, d_qk, d_v)
+    if why_not is None and block_h != 64:
+        why_not = f"{block_h}-head tiles (needs 64)"
+    return why_not
 
 
 def reduce_config() -> dict:
