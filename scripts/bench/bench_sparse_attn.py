@@ -302,9 +302,27 @@ def _time_dq_kernels(row: dict, fl: dict, bwd) -> None:
         row[f"breakdown_dq_{choice}_ms"] = breakdown[choice]
     names = (("triton", "_bwd_dq_kernel"), ("gluon", "_bwd_dq_ws_kernel"))
     dq_ms = {c: breakdown[c].get(k, float("nan")) for c, k in names}
+    saved = dict(kernel_config.WS_DQ_META)
+    row["dq_ws_variants"] = {}
+    kernel_config.DQ_KERNEL = "gluon"
+    try:  # register splits (B warpgroup, gather); warpgroup A gets the rest of 3 x 168
+        for b_regs, g_regs in ((208, 48), (200, 56), (192, 64), (184, 72)):
+            kernel_config.WS_DQ_META.update(B_REGS=b_regs, GATHER_REGS=g_regs)
+            try:
+                same = all(torch.equal(a, b) for a, b in zip(bwd(), grads["gluon"]))
+                row["dq_ws_variants"][f"b{b_regs}g{g_regs}"] = {"bwd_ms": median_ms(bwd, warmup=5, rep=40),
+                                                                "same": same}
+            except Exception as exc:  # report, go on
+                row["dq_ws_variants"][f"b{b_regs}g{g_regs}"] = {"error": str(exc)[:120]}
+    finally:
+        kernel_config.WS_DQ_META.clear()
+        kernel_config.WS_DQ_META.update(saved)
+        kernel_config.DQ_KERNEL = "triton"
     print(f"  {row['shape']} dq A/B: bwd triton {row['bwd_dq_triton_ms']:.2f} / gluon {row['bwd_dq_gluon_ms']:.2f} ms, "
           f"dq kernel {dq_ms['triton']:.3f} / {dq_ms['gluon']:.3f} ms, dq rel {row['dq_ab_dq_rel']:.2e}, "
-          f"dkv rel {row['dq_ab_dkv_rel']:.2e}", flush=True)
+          f"dkv rel {row['dq_ab_dkv_rel']:.2e}; register splits (bwd ms, same bytes): "
+          + ", ".join(f"{k} {v.get('bwd_ms', float('nan')):.2f} {v.get('same', v.get('error'))}"
+                      for k, v in row["dq_ws_variants"].items()), flush=True)
 
 
 def _time_overrides(name: str, configs: dict, fn, warmup: int, rep: int, digits: int) -> dict:
