@@ -279,7 +279,7 @@ def _time_dq_kernels(row: dict, fl: dict, bwd) -> None:
     """--dq-ab: the backward with the Triton dq kernel vs the warp-specialised Gluon one (``kernel_config.DQ_KERNEL``,
     where it fits), three alternating rounds each; dq's and dkv's relative difference; both breakdowns."""
     runs: dict[str, list[float]] = {"triton": [], "gluon": []}
-    grads, breakdown = {}, {}
+    grads, breakdown, default = {}, {}, kernel_config.DQ_KERNEL
     try:
         for _ in range(3):
             for choice in runs:
@@ -292,7 +292,7 @@ def _time_dq_kernels(row: dict, fl: dict, bwd) -> None:
         row["dq_ab"] = str(exc)[:160]
         return
     finally:
-        kernel_config.DQ_KERNEL = "triton"
+        kernel_config.DQ_KERNEL = default
     for k, name in ((0, "dq"), (1, "dkv")):
         a, b = grads["gluon"][k].float(), grads["triton"][k].float()
         row[f"dq_ab_{name}_rel"] = float((a - b).norm() / b.norm())
@@ -317,7 +317,7 @@ def _time_dq_kernels(row: dict, fl: dict, bwd) -> None:
     finally:
         kernel_config.WS_DQ_META.clear()
         kernel_config.WS_DQ_META.update(saved)
-        kernel_config.DQ_KERNEL = "triton"
+        kernel_config.DQ_KERNEL = default
     print(f"  {row['shape']} dq A/B: bwd triton {row['bwd_dq_triton_ms']:.2f} / gluon {row['bwd_dq_gluon_ms']:.2f} ms, "
           f"dq kernel {dq_ms['triton']:.3f} / {dq_ms['gluon']:.3f} ms, dq rel {row['dq_ab_dq_rel']:.2e}, "
           f"dkv rel {row['dq_ab_dkv_rel']:.2e}; register splits (bwd ms, same bytes): "

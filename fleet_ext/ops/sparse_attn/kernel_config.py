@@ -51,11 +51,13 @@ WS_FWD_META = {"num_warps": 4, "maxnreg": 168, "RIGHT_REGS": 168, "GATHER_REGS":
 WS_FWD_TILES = {64: {"BLOCK_N": 64, "NUM_STAGES": 2, "P_IN_REGS": True},
                 0: {"BLOCK_N": 64, "NUM_STAGES": 2, "P_IN_REGS": True}}
 
-# The backward's dq step: "triton" (``kernel_bwd._bwd_dq_kernel``, the default until the Gluon kernel is measured),
-# "auto" (the warp-specialised Gluon dq kernel, ``kernel_bwd_dq_ws.py``, wherever ``ws_dq_fits`` says it can run),
-# "gluon" (forced: raises where it cannot run).
-DQ_KERNEL = "triton"
-# Registers: B warpgroup 208, gather 48, warpgroup A the rest (the sm90 compile's split without spills of note);
+# The backward's dq step: "auto" (the warp-specialised Gluon dq kernel, ``kernel_bwd_dq_ws.py``, wherever
+# ``ws_dq_fits`` says it can run, else the Triton one), "triton" (``kernel_bwd._bwd_dq_kernel`` always), "gluon"
+# (forced: raises where it cannot run). H200, 2026-12-01 (--dq-ab): the dq kernel 1.37-1.84x, the backward
+# 1.11-1.27x; V3.2's dq within 1e-4 of the Triton kernel's (other MMA shapes), DSv4's byte-equal.
+DQ_KERNEL = "auto"
+# Registers: B warpgroup 208, gather 48, warpgroup A the rest (the sm90 compile's split without spills of note;
+# on the H200 the best of 208/48, 200/56, 192/64, 184/72 at V3.2, within 0.3 % at DSv4);
 # 32 keys per block, two stages (Q, dO and two 32-row stages take 225,744 of the 232,448 bytes of shared memory).
 WS_DQ_META = {"num_warps": 4, "maxnreg": 168, "B_REGS": 208, "GATHER_REGS": 48, "BLOCK_N": 32, "NUM_STAGES": 2}
 
