@@ -14,9 +14,10 @@ Barriers: ``qd_ready`` (Q and dO landed), ``kv_ready`` / ``kv_free`` per stage (
 done with it), ``dp_ready`` / ``dp_free`` and ``ds_ready`` / ``ds_free`` (the two hand-overs through shared memory).
 Every async wgmma is waited in the iteration that issues it (a result carried around the loop serialises them).
 The same blocks and the same per-element maths as the Triton kernel, other MMA shapes: agrees to rounding (1e-4
-relative at V3.2 widths on the H200; DSv4's d 512 came out byte-equal there, not relied on); deterministic. The pair buffers get the same ``P`` and ``dS`` layout, so the rest of the backward is
-unchanged. Chosen by ``kernel_config.DQ_KERNEL`` / ``ws_dq_fits``; ``tests/single_card_tests/
-test_gluon_sm90_compile.py`` holds its sm90 compile to no wgmma serialisation and a few bytes of spill.
+relative at V3.2 widths on the H200; DSv4's d 512 came out byte-equal there, not relied on); deterministic. The
+pair buffers get the same ``P`` and ``dS`` layout, so the rest of the backward is unchanged. Chosen by
+``kernel_config.DQ_KERNEL`` / ``ws_dq_fits``; ``tests/single_card_tests/test_gluon_sm90_compile.py`` holds its sm90
+compile to no wgmma serialisation and a few bytes of spill.
 """
 
 from __future__ import annotations
