@@ -325,6 +325,42 @@ def _time_dq_kernels(row: dict, fl: dict, bwd) -> None:
                       for k, v in row["dq_ws_variants"].items()), flush=True)
 
 
+PARTIAL_AB = {"bm128w8s2": {"BLOCK_M": 128, "num_warps": 8, "num_stages": 2},
+              "bm128w8s3": {"BLOCK_M": 128, "num_warps": 8, "num_stages": 3},
+              "bm128w8s4": {"BLOCK_M": 128, "num_warps": 8, "num_stages": 4},
+              "bm256w8s3": {"BLOCK_M": 256, "num_warps": 8, "num_stages": 3},
+              "bm64w4s3": {"BLOCK_M": 64, "num_warps": 4, "num_stages": 3}}
+
+
+def _time_partial_configs(row: dict, fl: dict, bwd) -> None:
+    """--partial-ab: the backward with each ``PARTIAL_AB`` launch setting of the dkv-contribution kernel, three
+    alternating rounds each (the middle one), that kernel's own time, and whether the gradients keep the first
+    setting's bytes."""
+    runs: dict[str, list[float]] = {k: [] for k in PARTIAL_AB}
+    first, kernel_ms, same = None, {}, {}
+    try:
+        for _ in range(3):
+            for label, cfg in PARTIAL_AB.items():
+                kernel.OVERRIDES["partial"] = [cfg]
+                try:
+                    if label not in kernel_ms:
+                        grads = bwd()
+                        first = first or grads
+                        same[label] = all(torch.equal(a, b) for a, b in zip(grads, first))
+                        kernel_ms[label] = kernel_breakdown(bwd).get("_bwd_dkv_partial_kernel", float("nan"))
+                    runs[label].append(median_ms(bwd, warmup=5, rep=40))
+                except Exception as exc:  # out of shared memory and the like: report, go on
+                    kernel_ms[label], same[label] = float("nan"), str(exc)[:80]
+                    runs[label].append(float("nan"))
+    finally:
+        kernel.OVERRIDES.pop("partial", None)
+    row["partial_ab"] = {k: {"bwd_ms": sorted(v)[1], "kernel_ms": kernel_ms[k], "same": same[k]}
+                         for k, v in runs.items()}
+    print(f"  {row['shape']} partial A/B (bwd ms / contribution kernel ms / same bytes): " + ", ".join(
+        f"{k} {v['bwd_ms']:.2f} / {v['kernel_ms']:.3f} / {v['same']}" for k, v in row["partial_ab"].items()),
+        flush=True)
+
+
 def _time_overrides(name: str, configs: dict, fn, warmup: int, rep: int, digits: int) -> dict:
     """Median ms of ``fn`` with each launch configuration of kernel ``name`` (errors recorded, not hidden)."""
     out = {}
@@ -473,6 +509,8 @@ def bench_shape(shape: dict, args, rows: list) -> None:
         _time_reduce_split(row, fl, bwd)
     if args.dq_ab:
         _time_dq_kernels(row, fl, bwd)
+    if args.partial_ab:
+        _time_partial_configs(row, fl, bwd)
     _print_row(shape, row)
     if args.baselines:
         _time_eager(row, fl, args, q, kv, idx, sink, d_out, scale, d_v)
@@ -493,6 +531,8 @@ def main() -> None:
                              "dkv contributions; check the bound changes no byte")
     parser.add_argument("--reduce-ab", action="store_true",
                         help="the dkv reduce with one program per row vs long rows split (alternating rounds)")
+    parser.add_argument("--partial-ab", action="store_true",
+                        help="launch settings of the dkv-contribution kernel (PARTIAL_AB), alternating rounds")
     parser.add_argument("--dq-ab", action="store_true", help="the Triton dq kernel vs the warp-specialised Gluon one")
     parser.add_argument("--eager-max-seq", type=int, default=4096)
     parser.add_argument("--dense", action="store_true", help="dense causal mode rows (bench_sparse_attn_dense.py)")
