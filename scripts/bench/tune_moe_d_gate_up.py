@@ -18,6 +18,8 @@ import argparse
 import json
 import os
 import sys
+import time
+from typing import Any
 
 import torch
 
@@ -112,6 +114,31 @@ def profile_layer(tokens: int, experts: int) -> None:
     print(f"\nprofile T={tokens} E={experts}: {total / 1e3:.2f} ms of kernels per layer fwd+bwd")
     for name, us in sorted(times.items(), key=lambda kv: -kv[1]):
         print(f"  {us:9.1f} us  {100 * us / total:5.1f} %  {name}")
+    _idle_gaps(prof, 5)
+    host = []
+    for _ in range(5):  # the host's enqueue time of one layer (no sync inside) against its GPU time
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        run()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        host.append((1e3 * (t1 - t0), 1e3 * (time.perf_counter() - t0)))
+    print("  host enqueue / wall ms per layer: " + ", ".join(f"{a:.2f} / {b:.2f}" for a, b in host))
+
+
+def _idle_gaps(prof: Any, runs: int) -> None:
+    """Where the GPU waits: the idle time between consecutive kernels of the profiled runs, the largest gaps and
+    the kernel each one precedes."""
+    events = sorted((e.start_ns(), e.start_ns() + e.duration_ns(), e.name())
+                    for e in prof.profiler.kineto_results.events()
+                    if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0)
+    gaps = [(b[0] - a[1], b[2][:60]) for a, b in zip(events, events[1:]) if b[0] > a[1]]
+    busy = sum(e[1] - e[0] for e in events)
+    span = events[-1][1] - events[0][0]
+    print(f"  GPU busy {busy / 1e6 / runs:.2f} ms of a {span / 1e6 / runs:.2f} ms span per layer; idle gaps > 5 us "
+          f"per layer {sum(g for g, _ in gaps if g > 5e3) / 1e6 / runs:.2f} ms; largest (us, next kernel):")
+    for g, name in sorted(gaps, reverse=True)[:12]:
+        print(f"    {g / 1e3:8.1f}  {name}")
 
 
 def table(rows: list[dict]) -> str:
@@ -146,13 +173,14 @@ def main() -> None:
     parser.add_argument("--layer-tokens", nargs="*", type=int, default=[])
     parser.add_argument("--profile-tokens", nargs="*", type=int, default=[],
                         help="per-kernel GPU time of the fused layer's forward + backward (torch profiler)")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the d_gate_up sweep (layer rows, profiles)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
     def log(msg: str) -> None:
         print(msg, flush=True)
 
-    rows = [run_case(e, log) for e in args.experts]
+    rows = [] if args.no_sweep else [run_case(e, log) for e in args.experts]
     layers = [r for e in args.experts for r in layer(e, args.layer_tokens, log)]
     for tokens in args.profile_tokens:
         for e in args.experts:
