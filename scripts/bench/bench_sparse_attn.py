@@ -3,7 +3,10 @@
 Run on the H200 (torch + Triton, no Paddle), from the repository root:
 
     python scripts/bench/bench_sparse_attn.py [--out DIR] [--shapes NAME ...] [--compare] [--baselines] [--variants]
-        [--dense [--dense-shapes NAME ...] [--dense-table] [--dense-variants]]
+        [--reduce-ab] [--dq-ab] [--partial-ab] [--dense [--dense-shapes NAME ...] [--dense-table] [--dense-variants]]
+
+The A/B and launch-setting sweeps (``--compare``, ``--variants``, ``--reduce-ab``, ``--dq-ab``, ``--partial-ab``)
+live in ``sparse_attn_ab.py``.
 
 Shapes (one sequence, B = 1; the kernels see the flat layout T = B * S):
 - ``v32_s{4096,16384}_h{64,128}``: DeepSeek-V3.2 DSA latent MQA, d_qk 576 / d_v 512, 2048 index slots per
@@ -53,6 +56,9 @@ import triton
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # repo root, for fleet_ext
+
+import sparse_attn_ab as ab  # noqa: E402
+from sparse_attn_ab import kernel_breakdown, median_ms  # noqa: E402
 
 from fleet_ext.ops import launch  # noqa: E402
 from fleet_ext.ops.sparse_attn import kernel, kernel_config  # noqa: E402
@@ -183,27 +189,6 @@ def flex_fn(q, kv, idx, sink, scale, d_v, n_kv):
 
 
 # ------------------------------------------------------------------------------------------------------
-def median_ms(fn, warmup=25, rep=100) -> float:
-    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-
-
-def kernel_breakdown(fn) -> dict:
-    """GPU time per kernel name for one call of fn (torch profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    out = {}
-    for evt in prof.key_averages():
-        if evt.device_type.name == "CUDA" or getattr(evt, "self_device_time_total", 0):
-            t = getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0)
-            if t:
-                out[evt.key[:48]] = round(t / 1e3, 3)
-    return dict(sorted(out.items(), key=lambda kv: -kv[1])[:8])
-
-
 def matmul_tflops(n: int = 8192) -> float:
     a = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
@@ -220,176 +205,6 @@ def _inputs(shape: dict) -> tuple:
     sink = torch.rand((heads,), device=DEV) * 3 - 1
     d_out = torch.randn((seq, heads, d_v), device=DEV, dtype=torch.bfloat16)
     return q, kv, idx, sink, d_out, 1.0 / math.sqrt(d_qk)
-
-
-def _time_compare(row: dict, fl: dict, fwd, bwd, bound) -> None:
-    """--compare: no trailing bound, the old backward launch defaults, the bound alone."""
-    row["bound_us"] = median_ms(bound) * 1e3
-    row["fwd_nobound_ms"] = median_ms(lambda: fwd(derive_bound=False))
-    row["fwd_nobound_tflops"] = fl["fwd"] / row["fwd_nobound_ms"] / 1e9
-    row["bwd_nobound_ms"] = median_ms(lambda: bwd(derive_bound=False), warmup=10, rep=60)
-    row["bwd_nobound_tflops"] = fl["bwd"] / row["bwd_nobound_ms"] / 1e9
-    kernel.OVERRIDES["dq"] = [{"BLOCK_N": 32, "num_warps": 8, "num_stages": 2}]
-    kernel.OVERRIDES["partial"] = [{"BLOCK_M": 64, "num_warps": 4, "num_stages": 2}]
-    try:
-        row["bwd_olddefaults_nobound_ms"] = median_ms(lambda: bwd(derive_bound=False), warmup=10, rep=60)
-        row["bwd_olddefaults_nobound_tflops"] = fl["bwd"] / row["bwd_olddefaults_nobound_ms"] / 1e9
-    finally:
-        kernel.OVERRIDES.pop("dq")
-        kernel.OVERRIDES.pop("partial")
-
-
-def _time_reduce_split(row: dict, fl: dict, bwd) -> None:
-    """--reduce-ab: the dkv reduce with one program per kv row (``kernel.REDUCE_CHUNK`` past any row's length) vs
-    long rows split into items (the default), three alternating rounds each; dkv's relative difference (rows of one
-    item keep their bytes); the per-kernel breakdown of both; launch settings of the reduce."""
-    runs: dict[str, list[float]] = {"whole": [], "split": []}
-    grads, breakdown = {}, {}
-    try:
-        for _ in range(3):
-            for mode, chunk in (("whole", 1 << 40), ("split", None)):
-                kernel.REDUCE_CHUNK = chunk
-                if mode not in grads:
-                    grads[mode] = bwd()
-                    breakdown[mode] = kernel_breakdown(bwd)
-                runs[mode].append(median_ms(bwd, warmup=5, rep=40))
-    finally:
-        kernel.REDUCE_CHUNK = None
-    dkv_w, dkv_s = grads["whole"][1].float(), grads["split"][1].float()
-    row["reduce_split_dkv_rel"] = float((dkv_s - dkv_w).norm() / dkv_w.norm())
-    row["reduce_split_other_bitwise"] = all(torch.equal(grads["whole"][k], grads["split"][k]) for k in (0, 2))
-    for mode in runs:
-        row[f"bwd_reduce_{mode}_ms"] = sorted(runs[mode])[1]
-        row[f"bwd_reduce_{mode}_tflops"] = fl["bwd"] / row[f"bwd_reduce_{mode}_ms"] / 1e9
-        row[f"breakdown_reduce_{mode}_ms"] = breakdown[mode]
-    saved = dict(kernel_config.REDUCE_CONFIG_GPU)
-    row["reduce_variants"] = {}
-    try:  # launch settings of the reduce (BLOCK_P and warps change the lanes, hence the bits)
-        for block_p, warps in ((16, 4), (16, 8), (32, 4), (32, 8)):
-            kernel_config.REDUCE_CONFIG_GPU.update(BLOCK_P=block_p, num_warps=warps)
-            ms = median_ms(bwd, warmup=5, rep=40)
-            red = kernel_breakdown(bwd).get("_bwd_dkv_reduce_kernel", float("nan"))
-            row["reduce_variants"][f"p{block_p}w{warps}"] = {"bwd_ms": ms, "reduce_ms": red}
-    finally:
-        kernel_config.REDUCE_CONFIG_GPU.clear()
-        kernel_config.REDUCE_CONFIG_GPU.update(saved)
-
-
-def _time_dq_kernels(row: dict, fl: dict, bwd) -> None:
-    """--dq-ab: the backward with the Triton dq kernel vs the warp-specialised Gluon one (``kernel_config.DQ_KERNEL``,
-    where it fits), three alternating rounds each; dq's and dkv's relative difference; both breakdowns."""
-    runs: dict[str, list[float]] = {"triton": [], "gluon": []}
-    grads, breakdown, default = {}, {}, kernel_config.DQ_KERNEL
-    try:
-        for _ in range(3):
-            for choice in runs:
-                kernel_config.DQ_KERNEL = choice
-                if choice not in grads:
-                    grads[choice] = bwd()
-                    breakdown[choice] = kernel_breakdown(bwd)
-                runs[choice].append(median_ms(bwd, warmup=5, rep=40))
-    except ValueError as exc:  # the Gluon kernel cannot run this shape: say so
-        row["dq_ab"] = str(exc)[:160]
-        return
-    finally:
-        kernel_config.DQ_KERNEL = default
-    for k, name in ((0, "dq"), (1, "dkv")):
-        a, b = grads["gluon"][k].float(), grads["triton"][k].float()
-        row[f"dq_ab_{name}_rel"] = float((a - b).norm() / b.norm())
-    for choice in runs:
-        row[f"bwd_dq_{choice}_ms"] = sorted(runs[choice])[1]
-        row[f"bwd_dq_{choice}_tflops"] = fl["bwd"] / row[f"bwd_dq_{choice}_ms"] / 1e9
-        row[f"breakdown_dq_{choice}_ms"] = breakdown[choice]
-    names = (("triton", "_bwd_dq_kernel"), ("gluon", "_bwd_dq_ws_kernel"))
-    dq_ms = {c: breakdown[c].get(k, float("nan")) for c, k in names}
-    saved = dict(kernel_config.WS_DQ_META)
-    row["dq_ws_variants"] = {}
-    kernel_config.DQ_KERNEL = "gluon"
-    try:  # register splits (B warpgroup, gather); warpgroup A gets the rest of 3 x 168
-        for b_regs, g_regs in ((208, 48), (200, 56), (192, 64), (184, 72)):
-            kernel_config.WS_DQ_META.update(B_REGS=b_regs, GATHER_REGS=g_regs)
-            try:
-                same = all(torch.equal(a, b) for a, b in zip(bwd(), grads["gluon"]))
-                row["dq_ws_variants"][f"b{b_regs}g{g_regs}"] = {"bwd_ms": median_ms(bwd, warmup=5, rep=40),
-                                                                "same": same}
-            except Exception as exc:  # report, go on
-                row["dq_ws_variants"][f"b{b_regs}g{g_regs}"] = {"error": str(exc)[:120]}
-    finally:
-        kernel_config.WS_DQ_META.clear()
-        kernel_config.WS_DQ_META.update(saved)
-        kernel_config.DQ_KERNEL = default
-    print(f"  {row['shape']} dq A/B: bwd triton {row['bwd_dq_triton_ms']:.2f} / gluon {row['bwd_dq_gluon_ms']:.2f} ms, "
-          f"dq kernel {dq_ms['triton']:.3f} / {dq_ms['gluon']:.3f} ms, dq rel {row['dq_ab_dq_rel']:.2e}, "
-          f"dkv rel {row['dq_ab_dkv_rel']:.2e}; register splits (bwd ms, same bytes): "
-          + ", ".join(f"{k} {v.get('bwd_ms', float('nan')):.2f} {v.get('same', v.get('error'))}"
-                      for k, v in row["dq_ws_variants"].items()), flush=True)
-
-
-PARTIAL_AB = {"bm128w8s2": {"BLOCK_M": 128, "num_warps": 8, "num_stages": 2},
-              "bm128w8s3": {"BLOCK_M": 128, "num_warps": 8, "num_stages": 3},
-              "bm128w8s4": {"BLOCK_M": 128, "num_warps": 8, "num_stages": 4},
-              "bm256w8s3": {"BLOCK_M": 256, "num_warps": 8, "num_stages": 3},
-              "bm64w4s3": {"BLOCK_M": 64, "num_warps": 4, "num_stages": 3}}
-
-
-def _time_partial_configs(row: dict, fl: dict, bwd) -> None:
-    """--partial-ab: the backward with each ``PARTIAL_AB`` launch setting of the dkv-contribution kernel, three
-    alternating rounds each (the middle one), that kernel's own time, and whether the gradients keep the first
-    setting's bytes."""
-    runs: dict[str, list[float]] = {k: [] for k in PARTIAL_AB}
-    first, kernel_ms, same = None, {}, {}
-    try:
-        for _ in range(3):
-            for label, cfg in PARTIAL_AB.items():
-                kernel.OVERRIDES["partial"] = [cfg]
-                try:
-                    if label not in kernel_ms:
-                        grads = bwd()
-                        first = first or grads
-                        same[label] = all(torch.equal(a, b) for a, b in zip(grads, first))
-                        kernel_ms[label] = kernel_breakdown(bwd).get("_bwd_dkv_partial_kernel", float("nan"))
-                    runs[label].append(median_ms(bwd, warmup=5, rep=40))
-                except Exception as exc:  # out of shared memory and the like: report, go on
-                    kernel_ms[label], same[label] = float("nan"), str(exc)[:80]
-                    runs[label].append(float("nan"))
-    finally:
-        kernel.OVERRIDES.pop("partial", None)
-    row["partial_ab"] = {k: {"bwd_ms": sorted(v)[1], "kernel_ms": kernel_ms[k], "same": same[k]}
-                         for k, v in runs.items()}
-    print(f"  {row['shape']} partial A/B (bwd ms / contribution kernel ms / same bytes): " + ", ".join(
-        f"{k} {v['bwd_ms']:.2f} / {v['kernel_ms']:.3f} / {v['same']}" for k, v in row["partial_ab"].items()),
-        flush=True)
-
-
-def _time_overrides(name: str, configs: dict, fn, warmup: int, rep: int, digits: int) -> dict:
-    """Median ms of ``fn`` with each launch configuration of kernel ``name`` (errors recorded, not hidden)."""
-    out = {}
-    for label, cfg in configs.items():
-        kernel.OVERRIDES[name] = [cfg]
-        try:
-            out[label] = round(median_ms(fn, warmup=warmup, rep=rep), digits)
-        except Exception as exc:  # report, do not hide
-            out[label] = f"{type(exc).__name__}: {str(exc)[:80]}"
-        kernel.OVERRIDES.pop(name)
-    return out
-
-
-def _time_variants(row: dict, fwd, bwd) -> None:
-    """--variants: a single query chunk, and the launch configurations of the fwd, dq and partial kernels."""
-    row["bwd_16g_ms"] = median_ms(lambda: bwd(max_partial_bytes=16 << 30), warmup=10, rep=60)
-    row["bwd_breakdown_ms"] = kernel_breakdown(bwd)
-    row["fwd_variants_ms"] = _time_overrides("fwd", {
-        "bn64s2": {"BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
-        "bn32s3": {"BLOCK_N": 32, "num_warps": 8, "num_stages": 3},
-        "bn32s2": {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2}}, fwd, 25, 100, 4)
-    row["dq_variants_ms"] = _time_overrides("dq", {
-        "bn32s3": {"BLOCK_N": 32, "num_warps": 8, "num_stages": 3},
-        "bn32s2": {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
-        "bn16s3": {"BLOCK_N": 16, "num_warps": 8, "num_stages": 3}}, bwd, 5, 30, 3)
-    row["partial_variants_ms"] = _time_overrides("partial", {
-        "bm64w4s2": {"BLOCK_M": 64, "num_warps": 4, "num_stages": 2},
-        "bm128w8s2": {"BLOCK_M": 128, "num_warps": 8, "num_stages": 2},
-        "bm64w4s3": {"BLOCK_M": 64, "num_warps": 4, "num_stages": 3}}, bwd, 5, 30, 3)
 
 
 def _time_eager(row: dict, fl: dict, args, q, kv, idx, sink, d_out, scale, d_v) -> None:
@@ -497,20 +312,20 @@ def bench_shape(shape: dict, args, rows: list) -> None:
     row["bwd_ms"] = median_ms(bwd, warmup=10, rep=60)
     row["bwd_tflops"] = fl["bwd"] / row["bwd_ms"] / 1e9
     if args.compare:
-        _time_compare(row, fl, fwd, bwd, lambda: kernel.row_bound(idx, n_kv))
+        ab.time_compare(row, fl, fwd, bwd, lambda: kernel.row_bound(idx, n_kv))
     if args.variants or args.compare:
         row["bwd_bf16part_ms"] = median_ms(lambda: bwd(partial_dtype="bfloat16"), warmup=10, rep=60)
         row["bwd_bf16part_tflops"] = fl["bwd"] / row["bwd_bf16part_ms"] / 1e9
     if args.compare:
         row["bwd_breakdown_ms"] = kernel_breakdown(bwd)
     if args.variants:
-        _time_variants(row, fwd, bwd)
+        ab.time_variants(row, fwd, bwd)
     if args.reduce_ab:
-        _time_reduce_split(row, fl, bwd)
+        ab.time_reduce_split(row, fl, bwd)
     if args.dq_ab:
-        _time_dq_kernels(row, fl, bwd)
+        ab.time_dq_kernels(row, fl, bwd)
     if args.partial_ab:
-        _time_partial_configs(row, fl, bwd)
+        ab.time_partial_configs(row, fl, bwd)
     _print_row(shape, row)
     if args.baselines:
         _time_eager(row, fl, args, q, kv, idx, sink, d_out, scale, d_v)
