@@ -348,6 +348,8 @@ def main() -> None:
                         help="the dkv reduce with one program per row vs long rows split (alternating rounds)")
     parser.add_argument("--partial-ab", action="store_true",
                         help="launch settings of the dkv-contribution kernel (PARTIAL_AB), alternating rounds")
+    parser.add_argument("--dq-kernel", choices=["auto", "triton", "gluon"], default=None,
+                        help="kernel_config.DQ_KERNEL for the whole run (sparse and dense backward)")
     parser.add_argument("--dq-ab", action="store_true", help="the Triton dq kernel vs the warp-specialised Gluon one")
     parser.add_argument("--eager-max-seq", type=int, default=4096)
     parser.add_argument("--dense", action="store_true", help="dense causal mode rows (bench_sparse_attn_dense.py)")
@@ -359,6 +361,8 @@ def main() -> None:
     parser.add_argument("--sdpa-max-seq", type=int, default=4096)
     parser.add_argument("--flex-max-seq", type=int, default=4096)
     args = parser.parse_args()
+    if args.dq_kernel:
+        kernel_config.DQ_KERNEL = args.dq_kernel
 
     props = torch.cuda.get_device_properties(0)
     mm_tflops = matmul_tflops()

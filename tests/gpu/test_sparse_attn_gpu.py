@@ -409,3 +409,40 @@ def test_dense_causal(batch, seq, heads, n_keys, q_offset, dkv_splits):
 
 def test_dense_causal_k_eq_v():
     check_causal(1, 1024, 64, 1024, 0, d_qk=512, d_v=512, dkv_splits=1, seed=2)
+
+
+@pytest.mark.parametrize("batch, seq, heads, n_keys, q_offset, d_qk",
+                         [(2, 700, 96, 1024, 324, 576), (1, 2048, 64, 2048, 0, 512)],
+                         ids=["b2_cp_offset_h96_v32", "dsv4_k_eq_v"])
+def test_ws_dq_dense_causal(batch, seq, heads, n_keys, q_offset, d_qk, monkeypatch):
+    """The warp-specialised dq kernel's dense causal mode forced (two sequences with a CP offset and 96 heads: a
+    masked second head block; K = V): the backward within the fp32 reference's bounds and byte-identical run to run
+    (``check_causal``, launch counter); dq within the same bound of the Triton dense dq kernel's; a 5 % scale error
+    planted in the call lands over it."""
+    from fleet_ext.ops.sparse_attn import causal
+
+    _needs_hopper()
+    monkeypatch.setattr(kernel_config, "DQ_KERNEL", "gluon")
+    before = launch.LAUNCH_COUNTS["_bwd_dq_ws_kernel"]
+    check_causal(batch, seq, heads, n_keys, q_offset, d_qk=d_qk, d_v=512, seed=3)
+    assert launch.LAUNCH_COUNTS["_bwd_dq_ws_kernel"] >= before + 2
+    gen = torch.Generator(device=DEV).manual_seed(4)
+    q = torch.randn((batch * seq, heads, d_qk), device=DEV, generator=gen).to(torch.bfloat16)
+    kv = torch.randn((batch * n_keys, d_qk), device=DEV, generator=gen).to(torch.bfloat16)
+    sink = (torch.rand((heads,), device=DEV, generator=gen) * 3 - 1).float()
+    d_out = torch.randn((batch * seq, heads, 512), device=DEV, generator=gen).to(torch.bfloat16)
+    scale = 1.0 / math.sqrt(d_qk)
+    out, lse = causal.causal_attn_fwd(q, kv, sink, scale, seq, q_offset, d_v=512)
+
+    def dq(factor: float = 1.0):
+        return causal.causal_attn_bwd(q, kv, sink, scale * factor, out, lse, d_out, None, seq=seq,
+                                      q_offset=q_offset, d_v=512)[0]
+
+    ws, planted = dq(), dq(1.05)
+    monkeypatch.setattr(kernel_config, "DQ_KERNEL", "triton")
+    ref = dq()
+    errors = {"dq_vs_triton": rel(ws, ref), "planted_dq": rel(planted, ref)}
+    print(f"[ws dq dense B={batch} S={seq} H={heads} N={n_keys} offset={q_offset}] "
+          + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()))
+    assert errors["dq_vs_triton"] <= TOL["dq"], errors
+    assert errors["planted_dq"] > TOL["dq"], f"a 5 % scale error went unnoticed: {errors}"

@@ -78,17 +78,19 @@ def compile_ws_forward(tail: int, dense: bool):
     return compile_sm90(_sparse_attn_fwd_ws_kernel, signature, constexprs, (*pointers, *strides), **options)
 
 
-def compile_ws_dq(tail: int):
-    """The backward's dq kernel at ``kernel_config.WS_DQ_META``, as ``kernel._bwd_dq`` launches it."""
+def compile_ws_dq(tail: int, dense: bool = False):
+    """The backward's dq kernel at ``kernel_config.WS_DQ_META``, as ``kernel._bwd_dq`` (sparse) or
+    ``kernel.launch_ws_dq_dense`` (dense causal) launches it."""
     pointers = {"Q": "*bf16", "KV": "*bf16", "DOUT": "*bf16", "IDX": "*i32", "TOPK_LEN": "*i32", "LSE": "*fp32",
                 "DELTA": "*fp32", "DQ": "*bf16", "P_BUF": "*bf16", "DS_BUF": "*bf16"}
     scalars = {"H": "i32", "N": "i32", "K": "i32", "t_begin": "i32", "qk_scale": "fp32", "scale": "fp32",
                "H_PAD": "i32"}
     strides = {n: "i32" for n in ("stride_qt", "stride_qh", "stride_kvn", "stride_it", "stride_dot", "stride_doh")}
-    meta = dict(kernel_config.WS_DQ_META)
+    meta = dict(kernel_config.WS_DQ_DENSE_META if dense else kernel_config.WS_DQ_META)
     options = {k: meta.pop(k) for k in ("num_warps", "maxnreg")}
-    constexprs = {"D_TAIL": tail, "BLOCK_H": 64, "HAS_TOPK_LEN": True, "HEAD_BLOCKS": 2, **meta}
-    signature = {**pointers, **scalars, **strides, **{k: "constexpr" for k in constexprs}}
+    constexprs = {"D_TAIL": tail, "BLOCK_H": 64, "HAS_TOPK_LEN": not dense, "HEAD_BLOCKS": 2, **meta, "DENSE": dense}
+    signature = {**pointers, **scalars, **strides, **{k: "constexpr" for k in constexprs}, "S": "i32",
+                 "q_offset": "i32"}
     return compile_sm90(_bwd_dq_ws_kernel, signature, constexprs, (*pointers, *strides), **options)
 
 
@@ -158,9 +160,10 @@ def test_attention_defaults_compile_without_wgmma_serialisation_or_spills(tail, 
 
 
 @pytest.mark.parametrize("tail", [64, 0], ids=["v32_tail64", "dsv4_tail0"])
-def test_dq_defaults_compile_without_wgmma_serialisation(tail, tmp_path):
-    """The backward's warp-specialised dq kernel (``kernel_bwd_dq_ws.py``) at its launch defaults."""
-    meta, ptx = compiled_in_subprocess(f"dq-{tail}", tmp_path)
+@pytest.mark.parametrize("mode", ["dq", "dqdense"], ids=["sparse", "dense_causal"])
+def test_dq_defaults_compile_without_wgmma_serialisation(mode, tail, tmp_path):
+    """The backward's warp-specialised dq kernel (``kernel_bwd_dq_ws.py``) at its launch defaults, both modes."""
+    meta, ptx = compiled_in_subprocess(f"{mode}-{tail}", tmp_path)
     assert meta["shared"] <= SM90_SHARED_BYTES
     assert ptx.count("wgmma.mma_async") > 0
     serialised, spilled = ptxas_report(ptx, tmp_path)
@@ -216,8 +219,8 @@ if __name__ == "__main__":  # the subprocess of ``compiled_in_subprocess``: <cas
                               num_warps=4)
     elif case == "d_weight":
         kernel = compile_d_weight_ws()
-    elif case.startswith("dq-"):
-        kernel = compile_ws_dq(int(case.split("-")[1]))
+    elif case.startswith("dq"):
+        kernel = compile_ws_dq(int(case.split("-")[1]), dense=case.startswith("dqdense"))
     elif case.startswith("gate_up-"):
         kernel = compile_gate_up_ws(case.endswith("1"))
     else:

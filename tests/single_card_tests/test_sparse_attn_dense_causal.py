@@ -33,6 +33,7 @@ from fleet_ext import capability
 capability.prepare_triton()
 torch = pytest.importorskip("torch")
 
+from fleet_ext.ops import launch  # noqa: E402
 from fleet_ext.ops.sparse_attn import causal, kernel  # noqa: E402
 from fleet_ext.ops.sparse_attn.function import causal_probs_triton, sparse_attention_triton  # noqa: E402
 from fleet_ext.ops.sparse_attn.reference import causal_attention_probs, sparse_attention_with_sink  # noqa: E402
@@ -233,3 +234,19 @@ def test_bad_inputs_raise_naming_the_argument():
     qp, kvp = paddle.zeros([1, 2, 2, 32]), paddle.zeros([1, 4, 32])
     with pytest.raises(ValueError, match=r"`q_offset` \(1\) belongs to the dense causal mode"):
         sparse_attention_triton(qp, kvp, paddle.zeros([1, 2, 3], dtype="int32"), paddle.zeros([2]), 0.1, q_offset=1)
+
+
+def test_warp_specialised_dq_is_chosen_only_where_it_runs(monkeypatch):
+    """The Gluon dq kernel's dense mode (Hopper only: ``tests/gpu/test_sparse_attn_gpu.py``) is never picked here,
+    not even under "auto", and forcing it names why it cannot run."""
+    from fleet_ext.ops.sparse_attn import kernel_config
+
+    q, kv, sink, d_out, d_lse = make_case(5, 1, 6, 64, 48, 32, 6)
+    monkeypatch.setattr(kernel_config, "DQ_KERNEL", "auto")
+    before = launch.LAUNCH_COUNTS["_bwd_dq_ws_kernel"]
+    run_causal(q, kv, sink, 0.3, 32, d_out, d_lse, 6, 0)  # asserts the Triton dq kernel ran
+    assert launch.LAUNCH_COUNTS["_bwd_dq_ws_kernel"] == before
+    monkeypatch.setattr(kernel_config, "DQ_KERNEL", "gluon")
+    with pytest.raises(ValueError, match=r"causal_attn_bwd: kernel_config.DQ_KERNEL = 'gluon' cannot run here: "
+                                         r"not a Hopper GPU \(sm90\)"):
+        run_causal(q, kv, sink, 0.3, 32, d_out, d_lse, 6, 0)

@@ -10,10 +10,11 @@ row's causal bound, so no ``[S, N]`` table exists and key blocks past the bound 
 
 Backward (``causal_attn_bwd``), deterministic — no floating-point atomics, one fixed order for every sum, so
 the same inputs give byte-identical ``dq``, ``dkv``, ``d_sink`` run after run: ``delta`` and ``d_sink`` by
-the sparse family's preprocess; ``dq`` query-major; ``dkv`` key-major (each key block's fp32 gradient in
-registers, its (query, head) rows in order, no pair buffers, no sort). For parallelism the rows may be cut into
-``dkv_splits`` slices handled by separate programs, each writing an fp32 partial that one more launch sums in
-slice order. ``causal_probs`` gives the head-summed probabilities ``sum_h P[t, h, j]`` [T, n_cols] fp32 (the
+the sparse family's preprocess; ``dq`` query-major (on Hopper the warp-specialised Gluon dq kernel's dense mode,
+``kernel_config.DQ_KERNEL``); ``dkv`` key-major (each key block's fp32 gradient in registers, its (query, head)
+rows in order, no pair buffers, no sort). For parallelism the rows may be cut into ``dkv_splits`` slices handled
+by separate programs, each writing an fp32 partial that one more launch sums in slice order. ``causal_probs``
+gives the head-summed probabilities ``sum_h P[t, h, j]`` [T, n_cols] fp32 (the
 DSA indexer warm-up KL's target) without the [T, H, N] logits.
 
 Launch configurations: the first that fits the device (``kernel_config.launch_first_fitting``, overridable by
@@ -38,7 +39,9 @@ from fleet_ext.ops.sparse_attn.kernel import (
     _pow2,
     _prec,
     flops,
+    launch_ws_dq_dense,
     launch_ws_forward,
+    use_ws_dq,
     use_ws_forward,
 )
 from fleet_ext.ops.sparse_attn.kernel_causal import (
@@ -182,7 +185,9 @@ def causal_attn_bwd(q: Any, kv: Any, sink: Any, scale: float, out: Any, lse: Any
     block_h, scale2 = _block_h(heads), float(scale) * _LOG2E
     meta = {"D_V": d_v, "D_TAIL": d_qk - d_v, "BLOCK_H": block_h, "PREC": _prec(q)}
     key = (d_qk, d_v, block_h, dtype_name(q))
-    if num_t:
+    if num_t and use_ws_dq(q, kv, d_out, d_qk, d_v, block_h, fn):
+        launch_ws_dq_dense(q, kv, d_out, lse, delta, dq, scale, d_v, seq, q_offset)
+    elif num_t:
         launch_first_fitting(
             "causal_dq", _causal_bwd_dq_kernel, (num_t, triton.cdiv(heads, block_h)), key, _configs("causal_dq"),
             q, kv, d_out, lse, delta, dq, heads, int(seq), n_keys, int(q_offset), scale2, float(scale),

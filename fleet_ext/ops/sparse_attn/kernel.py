@@ -398,23 +398,36 @@ class _BwdCall:
                 "PREC": _prec(self.q)}
 
 
-def _use_ws_dq(call: _BwdCall, bufs: _PairBuffers) -> bool:
-    """Whether step 2 runs the warp-specialised Gluon dq kernel (``kernel_config.DQ_KERNEL``)."""
+def use_ws_dq(q: Any, kv: Any, d_out: Any, d_qk: int, d_v: int, block_h: int, fn: str) -> bool:
+    """Whether the backward's dq step runs the warp-specialised Gluon kernel (``kernel_config.DQ_KERNEL``)."""
     choice = kernel_config.DQ_KERNEL
     if choice == "triton":
         return False
-    why_not = kernel_config.ws_dq_fits(dtype_name(call.q), call.d_qk, call.d_v, bufs.block_h)
-    if why_not is None and any(int(torch_view(x).data_ptr()) % 16 for x in (call.q, call.kv, call.d_out)):
+    why_not = kernel_config.ws_dq_fits(dtype_name(q), d_qk, d_v, block_h)
+    if why_not is None and any(int(torch_view(x).data_ptr()) % 16 for x in (q, kv, d_out)):
         why_not = "rows not 16-byte aligned (cp.async copies 16 bytes)"
     if choice == "gluon" and why_not is not None:
-        raise ValueError(f"sparse_attn_bwd: kernel_config.DQ_KERNEL = 'gluon' cannot run here: {why_not}")
+        raise ValueError(f"{fn}: kernel_config.DQ_KERNEL = 'gluon' cannot run here: {why_not}")
     return why_not is None
+
+
+def launch_ws_dq_dense(q: Any, kv: Any, d_out: Any, lse: Any, delta: Any, dq: Any, scale: float, d_v: int, seq: int,
+                       q_offset: int) -> None:
+    """The warp-specialised dq kernel in its dense causal mode (``causal.py``'s contract: ``seq`` queries per
+    sequence at ``q_offset``, ``kv`` rows per sequence); no pair buffers."""
+    num_t, heads, d_qk = shape_of(q)
+    n_kv = int(kv.shape[0]) // (num_t // seq)
+    head_blocks = triton.cdiv(heads, 64)
+    launch(_bwd_dq_ws_kernel, (num_t * head_blocks,), q, kv, d_out, lse, lse, lse, delta, dq, dq, dq, heads, n_kv,
+           0, 0, float(scale) * _LOG2E, float(scale), 0, heads * d_qk, d_qk, d_qk, 0, heads * d_v, d_v, S=int(seq),
+           q_offset=int(q_offset), D_TAIL=d_qk - d_v, BLOCK_H=64, HAS_TOPK_LEN=False, HEAD_BLOCKS=head_blocks,
+           DENSE=True, **kernel_config.WS_DQ_DENSE_META)
 
 
 def _bwd_dq(call: _BwdCall, bufs: _PairBuffers, t0: int, tc: int) -> None:
     """Step 2 for queries [t0, t0 + tc): dq, and P and dS into the pair buffers."""
     q, heads, d_qk, d_v, width = call.q, call.heads, call.d_qk, call.d_v, call.width
-    if _use_ws_dq(call, bufs):
+    if use_ws_dq(q, call.kv, call.d_out, d_qk, d_v, bufs.block_h, "sparse_attn_bwd"):
         head_blocks = bufs.h_pad // 64
         launch(_bwd_dq_ws_kernel, (tc * head_blocks,), q, call.kv, call.d_out, call.idx, call.topk, call.lse,
                call.delta, call.dq, bufs.p_buf, bufs.ds_buf, heads, call.n_kv, width, t0,

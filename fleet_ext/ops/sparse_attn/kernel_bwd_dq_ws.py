@@ -10,6 +10,9 @@ three warpgroups:
 - **B** (worker): ``dP = dO V^T`` (m64n32) concurrently with A's ``S``, hands ``dP`` to A, then
   ``dq[:, 256:512] += dS K[:, 256:512]`` and the tail ``dq[:, 512:] += dS K[:, 512:]``.
 
+The same kernel has a dense causal mode (``DENSE``: contiguous keys up to each row's causal bound, no pair
+buffers, for ``causal.py``).
+
 Barriers: ``qd_ready`` (Q and dO landed), ``kv_ready`` / ``kv_free`` per stage (the gather's 128 threads; A and B
 done with it), ``dp_ready`` / ``dp_free`` and ``ds_ready`` / ``ds_free`` (the two hand-overs through shared memory).
 Every async wgmma is waited in the iteration that issues it (a result carried around the loop serialises them).
@@ -47,7 +50,8 @@ from fleet_ext.ops.sparse_attn.kernel_fwd_ws import (
 
 @gluon.jit
 def _dq_gather(q_base, do_base, kv_base, idx_row, n_valid, bufs, bars, h0, H, N, stride_qh, stride_doh, stride_kvn,
-               D_TAIL: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+               D_TAIL: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+               GATHER: gl.constexpr):
     q_lo, q_hi, q_tail, do_lo, do_hi, kv_lo, kv_hi, kv_tail, ds_smem, dp_smem = bufs
     qd_ready, kv_ready, kv_free, dp_ready, dp_free, ds_ready, ds_free = bars
     for r in gl.static_range(0, BLOCK_H, 16):
@@ -61,9 +65,9 @@ def _dq_gather(q_base, do_base, kv_base, idx_row, n_valid, bufs, bars, h0, H, N,
             _copy_cols(q_tail.slice(r, 16), q_base, row_t, ok_t, stride_qh, 2 * HALF, D_TAIL, _NARROW)
     async_copy.mbarrier_arrive(qd_ready, increment_count=False)
 
-    row, ok = _rows(idx_row, 0, n_valid, N, BLOCK_N, _WIDE_ROWS, True)
+    row, ok = _rows(idx_row, 0, n_valid, N, BLOCK_N, _WIDE_ROWS, GATHER)
     if D_TAIL > 0:
-        row_t, ok_t = _rows(idx_row, 0, n_valid, N, BLOCK_N, _NARROW_ROWS, True)
+        row_t, ok_t = _rows(idx_row, 0, n_valid, N, BLOCK_N, _NARROW_ROWS, GATHER)
     for i in range(gl.cdiv(n_valid, BLOCK_N)):
         stage = i % NUM_STAGES
         mbarrier.wait(kv_free.index(stage), ((i // NUM_STAGES) & 1) ^ 1)
@@ -72,9 +76,9 @@ def _dq_gather(q_base, do_base, kv_base, idx_row, n_valid, bufs, bars, h0, H, N,
         if D_TAIL > 0:
             _copy_cols(kv_tail.index(stage), kv_base, row_t, ok_t, stride_kvn, 2 * HALF, D_TAIL, _NARROW)
         async_copy.mbarrier_arrive(kv_ready.index(stage), increment_count=False)
-        row, ok = _rows(idx_row, (i + 1) * BLOCK_N, n_valid, N, BLOCK_N, _WIDE_ROWS, True)
+        row, ok = _rows(idx_row, (i + 1) * BLOCK_N, n_valid, N, BLOCK_N, _WIDE_ROWS, GATHER)
         if D_TAIL > 0:
-            row_t, ok_t = _rows(idx_row, (i + 1) * BLOCK_N, n_valid, N, BLOCK_N, _NARROW_ROWS, True)
+            row_t, ok_t = _rows(idx_row, (i + 1) * BLOCK_N, n_valid, N, BLOCK_N, _NARROW_ROWS, GATHER)
 
 
 @gluon.jit
@@ -89,7 +93,7 @@ def _dq_store(DQ, acc, t, h0, col0, H, stride_qt, stride_qh, layout: gl.constexp
 @gluon.jit
 def _dq_a(idx_row, n_valid, LSE, DELTA, DQ, P_BUF, DS_BUF, bufs, bars, t, tl_local, h0, H, N, K, H_PAD, qk_scale,
           scale, stride_qt, stride_qh, D_TAIL: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-          NUM_STAGES: gl.constexpr):
+          NUM_STAGES: gl.constexpr, DENSE: gl.constexpr):
     q_lo, q_hi, q_tail, do_lo, do_hi, kv_lo, kv_hi, kv_tail, ds_smem, dp_smem = bufs
     qd_ready, kv_ready, kv_free, dp_ready, dp_free, ds_ready, ds_free = bars
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
@@ -106,7 +110,7 @@ def _dq_a(idx_row, n_valid, LSE, DELTA, DQ, P_BUF, DS_BUF, bufs, bars, t, tl_loc
     for i in range(gl.cdiv(n_valid, BLOCK_N)):
         stage = i % NUM_STAGES
         kk = i * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
-        _, ok = _rows(idx_row, i * BLOCK_N, n_valid, N, BLOCK_N, col_s, True)
+        _, ok = _rows(idx_row, i * BLOCK_N, n_valid, N, BLOCK_N, col_s, not DENSE)
         mbarrier.wait(kv_ready.index(stage), (i // NUM_STAGES) & 1)
         s = _issue_qk(q_lo, q_hi, q_tail, kv_lo.index(stage), kv_hi.index(stage), kv_tail.index(stage),
                       gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_l), D_TAIL)
@@ -122,10 +126,11 @@ def _dq_a(idx_row, n_valid, LSE, DELTA, DQ, P_BUF, DS_BUF, bufs, bars, t, tl_loc
         fence_async_shared()
         mbarrier.arrive(ds_ready, count=1)
         tok = warpgroup_mma(gl.convert_layout(ds, a_l), kv_lo.index(stage), dq, is_async=True)
-        pair = (tl_local * K + kk)[None, :] * H_PAD + offs_h[:, None]  # pair-major: a slot's heads contiguous
-        k_ok = (kk < n_valid)[None, :]
-        gl.store(P_BUF + pair, p.to(P_BUF.dtype.element_ty), mask=k_ok)
-        gl.store(DS_BUF + pair, ds, mask=k_ok)
+        if not DENSE:  # the dense causal backward's dkv pass recomputes P and dS: no pair buffers
+            pair = (tl_local * K + kk)[None, :] * H_PAD + offs_h[:, None]  # pair-major: a slot's heads contiguous
+            k_ok = (kk < n_valid)[None, :]
+            gl.store(P_BUF + pair, p.to(P_BUF.dtype.element_ty), mask=k_ok)
+            gl.store(DS_BUF + pair, ds, mask=k_ok)
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(tok,))
         mbarrier.arrive(kv_free.index(stage), count=1)
     _dq_store(DQ, dq, t, h0, 0, H, stride_qt, stride_qh, o_l, BLOCK_H, HALF)
@@ -175,14 +180,26 @@ def _bwd_dq_ws_kernel(
     stride_qt, stride_qh, stride_kvn, stride_it, stride_dot, stride_doh,
     D_TAIL: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
     NUM_STAGES: gl.constexpr, GATHER_REGS: gl.constexpr, B_REGS: gl.constexpr, HEAD_BLOCKS: gl.constexpr,
+    S=1, q_offset=0, DENSE: gl.constexpr = False,
 ):
+    """One program per (query row, 64 heads). Sparse: the row's index slots (up to ``topk_length``), ``P`` and ``dS``
+    written to the pair buffers. ``DENSE`` (``causal.py``'s contract; ``IDX``, ``TOPK_LEN``, ``K``, the pair buffers
+    unused): query ``t = b * S + i`` sees keys ``b * N + 0 .. min(q_offset + i, N - 1)``, the longest rows first."""
     tile = gl.program_id(0)  # a query's head blocks next to each other (they gather the same KV rows)
     h0 = (tile % HEAD_BLOCKS) * BLOCK_H
-    tl_local = (tile // HEAD_BLOCKS).to(gl.int64)
-    t = t_begin + tl_local
-    n_valid = K
-    if HAS_TOPK_LEN:
-        n_valid = gl.minimum(gl.maximum(gl.load(TOPK_LEN + t).to(gl.int32), 0), K)
+    if DENSE:
+        tl_local = (gl.num_programs(0) // HEAD_BLOCKS - 1 - tile // HEAD_BLOCKS).to(gl.int64)
+        t = tl_local
+        seq_b = t // S
+        n_valid = gl.minimum(q_offset + (t - seq_b * S) + 1, N).to(gl.int32)
+        kv_base = KV + seq_b * N * stride_kvn
+    else:
+        tl_local = (tile // HEAD_BLOCKS).to(gl.int64)
+        t = t_begin + tl_local
+        n_valid = K
+        if HAS_TOPK_LEN:
+            n_valid = gl.minimum(gl.maximum(gl.load(TOPK_LEN + t).to(gl.int32), 0), K)
+        kv_base = KV
     idx_row = IDX + t * stride_it
     dtype: gl.constexpr = Q.dtype.element_ty
     half_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], dtype)
@@ -228,8 +245,8 @@ def _bwd_dq_ws_kernel(
     bars = (qd_ready, kv_ready, kv_free, dp_ready, dp_free, ds_ready, ds_free)
     gl.warp_specialize([
         (_dq_a, (idx_row, n_valid, LSE, DELTA, DQ, P_BUF, DS_BUF, bufs, bars, t, tl_local, h0, H, N, K, H_PAD,
-                 qk_scale, scale, stride_qt, stride_qh, D_TAIL, BLOCK_H, BLOCK_N, NUM_STAGES)),
+                 qk_scale, scale, stride_qt, stride_qh, D_TAIL, BLOCK_H, BLOCK_N, NUM_STAGES, DENSE)),
         (_dq_b, (n_valid, DQ, bufs, bars, t, h0, H, stride_qt, stride_qh, D_TAIL, BLOCK_H, BLOCK_N, NUM_STAGES)),
-        (_dq_gather, (Q + t * stride_qt, DOUT + t * stride_dot, KV, idx_row, n_valid, bufs, bars, h0, H, N,
-                      stride_qh, stride_doh, stride_kvn, D_TAIL, BLOCK_H, BLOCK_N, NUM_STAGES)),
+        (_dq_gather, (Q + t * stride_qt, DOUT + t * stride_dot, kv_base, idx_row, n_valid, bufs, bars, h0, H, N,
+                      stride_qh, stride_doh, stride_kvn, D_TAIL, BLOCK_H, BLOCK_N, NUM_STAGES, not DENSE)),
     ], [4, 4], [B_REGS, GATHER_REGS])

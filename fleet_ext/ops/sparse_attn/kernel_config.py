@@ -62,6 +62,9 @@ DQ_KERNEL = "auto"
 # on the H200 the best of 208/48, 200/56, 192/64, 184/72 at V3.2, within 0.3 % at DSv4);
 # 32 keys per block, two stages (Q, dO and two 32-row stages take 225,744 of the 232,448 bytes of shared memory).
 WS_DQ_META = {"num_warps": 4, "maxnreg": 168, "B_REGS": 208, "GATHER_REGS": 48, "BLOCK_N": 32, "NUM_STAGES": 2}
+# The dense causal mode (``kernel.launch_ws_dq_dense``): a 64-register gather (its contiguous rows and per-sequence
+# base need them: the sm90 compile spills 44-92 bytes with 48, none or 12 with 64), warpgroup A 232.
+WS_DQ_DENSE_META = {**WS_DQ_META, "GATHER_REGS": 64}
 
 _CHOSEN: dict[tuple, dict] = {}
 OVERRIDES: dict[str, list[dict]] = {}  # kernel name -> configurations to try instead (benchmarks)
