@@ -43,6 +43,7 @@ from fleet_ext.ops.sparse_attn.kernel_fwd_ws import (
     HALF,
     LOG2E,
     _copy_cols,
+    _gather_kv_blocks,
     _issue_qk,
     _rows,
 )
@@ -65,20 +66,8 @@ def _dq_gather(q_base, do_base, kv_base, idx_row, n_valid, bufs, bars, h0, H, N,
             _copy_cols(q_tail.slice(r, 16), q_base, row_t, ok_t, stride_qh, 2 * HALF, D_TAIL, _NARROW)
     async_copy.mbarrier_arrive(qd_ready, increment_count=False)
 
-    row, ok = _rows(idx_row, 0, n_valid, N, BLOCK_N, _WIDE_ROWS, GATHER)
-    if D_TAIL > 0:
-        row_t, ok_t = _rows(idx_row, 0, n_valid, N, BLOCK_N, _NARROW_ROWS, GATHER)
-    for i in range(gl.cdiv(n_valid, BLOCK_N)):
-        stage = i % NUM_STAGES
-        mbarrier.wait(kv_free.index(stage), ((i // NUM_STAGES) & 1) ^ 1)
-        _copy_cols(kv_lo.index(stage), kv_base, row, ok, stride_kvn, 0, HALF, _WIDE)
-        _copy_cols(kv_hi.index(stage), kv_base, row, ok, stride_kvn, HALF, HALF, _WIDE)
-        if D_TAIL > 0:
-            _copy_cols(kv_tail.index(stage), kv_base, row_t, ok_t, stride_kvn, 2 * HALF, D_TAIL, _NARROW)
-        async_copy.mbarrier_arrive(kv_ready.index(stage), increment_count=False)
-        row, ok = _rows(idx_row, (i + 1) * BLOCK_N, n_valid, N, BLOCK_N, _WIDE_ROWS, GATHER)
-        if D_TAIL > 0:
-            row_t, ok_t = _rows(idx_row, (i + 1) * BLOCK_N, n_valid, N, BLOCK_N, _NARROW_ROWS, GATHER)
+    _gather_kv_blocks(kv_base, idx_row, n_valid, kv_lo, kv_hi, kv_tail, kv_ready, kv_free, N, stride_kvn, D_TAIL,
+                      BLOCK_N, NUM_STAGES, GATHER)
 
 
 @gluon.jit

@@ -77,22 +77,10 @@ def _copy_cols(dst, BASE, row, ok, stride_row, col0, WIDTH: gl.constexpr, layout
 
 
 @gluon.jit
-def _gather_partition(q_base, kv_base, idx_row, n_valid, bufs, bars, h0, H, N, stride_qh, stride_kvn,
-                      D_TAIL: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                      GATHER: gl.constexpr):
-    """The query tile once, then each block's rows into the next free stage. The next block's row numbers are
-    loaded right after a block's copies are issued, so their latency passes while the stage is still in use."""
-    q_lo, q_hi, q_tail, kv_lo, kv_hi, kv_tail, p_smem, alpha_smem, l_smem = bufs
-    q_ready, kv_ready, kv_free, p_ready, p_free, done = bars
-    for r in gl.static_range(0, BLOCK_H, 16):
-        row, ok = _rows(idx_row, h0 + r, H, N, 16, _WIDE_ROWS, False)
-        _copy_cols(q_lo.slice(r, 16), q_base, row, ok, stride_qh, 0, HALF, _WIDE)
-        _copy_cols(q_hi.slice(r, 16), q_base, row, ok, stride_qh, HALF, HALF, _WIDE)
-        if D_TAIL > 0:
-            row_t, ok_t = _rows(idx_row, h0 + r, H, N, 16, _NARROW_ROWS, False)
-            _copy_cols(q_tail.slice(r, 16), q_base, row_t, ok_t, stride_qh, 2 * HALF, D_TAIL, _NARROW)
-    async_copy.mbarrier_arrive(q_ready, increment_count=False)
-
+def _gather_kv_blocks(kv_base, idx_row, n_valid, kv_lo, kv_hi, kv_tail, kv_ready, kv_free, N, stride_kvn,
+                      D_TAIL: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, GATHER: gl.constexpr):
+    """Each block's KV rows into the next free stage (``kv_free`` / ``kv_ready`` per stage). The next block's row
+    numbers are loaded right after a block's copies are issued, so their latency passes while the stage is in use."""
     row, ok = _rows(idx_row, 0, n_valid, N, BLOCK_N, _WIDE_ROWS, GATHER)
     if D_TAIL > 0:
         row_t, ok_t = _rows(idx_row, 0, n_valid, N, BLOCK_N, _NARROW_ROWS, GATHER)
@@ -107,6 +95,26 @@ def _gather_partition(q_base, kv_base, idx_row, n_valid, bufs, bars, h0, H, N, s
         row, ok = _rows(idx_row, (i + 1) * BLOCK_N, n_valid, N, BLOCK_N, _WIDE_ROWS, GATHER)
         if D_TAIL > 0:
             row_t, ok_t = _rows(idx_row, (i + 1) * BLOCK_N, n_valid, N, BLOCK_N, _NARROW_ROWS, GATHER)
+
+
+@gluon.jit
+def _gather_partition(q_base, kv_base, idx_row, n_valid, bufs, bars, h0, H, N, stride_qh, stride_kvn,
+                      D_TAIL: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                      GATHER: gl.constexpr):
+    """The query tile once, then each block's rows (``_gather_kv_blocks``)."""
+    q_lo, q_hi, q_tail, kv_lo, kv_hi, kv_tail, p_smem, alpha_smem, l_smem = bufs
+    q_ready, kv_ready, kv_free, p_ready, p_free, done = bars
+    for r in gl.static_range(0, BLOCK_H, 16):
+        row, ok = _rows(idx_row, h0 + r, H, N, 16, _WIDE_ROWS, False)
+        _copy_cols(q_lo.slice(r, 16), q_base, row, ok, stride_qh, 0, HALF, _WIDE)
+        _copy_cols(q_hi.slice(r, 16), q_base, row, ok, stride_qh, HALF, HALF, _WIDE)
+        if D_TAIL > 0:
+            row_t, ok_t = _rows(idx_row, h0 + r, H, N, 16, _NARROW_ROWS, False)
+            _copy_cols(q_tail.slice(r, 16), q_base, row_t, ok_t, stride_qh, 2 * HALF, D_TAIL, _NARROW)
+    async_copy.mbarrier_arrive(q_ready, increment_count=False)
+
+    _gather_kv_blocks(kv_base, idx_row, n_valid, kv_lo, kv_hi, kv_tail, kv_ready, kv_free, N, stride_kvn, D_TAIL,
+                      BLOCK_N, NUM_STAGES, GATHER)
 
 
 @gluon.jit
