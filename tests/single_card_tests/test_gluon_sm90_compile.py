@@ -148,38 +148,36 @@ def ptxas_report(ptx: str, tmp_path) -> tuple[bool, int]:
     return "wgmma.mma_async instructions are serialized" in out.stderr, int(spills.group(1))
 
 
+def check_compiled(case: str, tmp_path, max_spill: int, marker: str = "wgmma.mma_async", min_markers: int = 1):
+    """``case`` compiles for sm90 within a block's shared memory, with at least ``min_markers`` of ``marker`` in its
+    PTX, no wgmma serialisation (C7515: an async result crosses the loop; C7512: too few registers) and at most
+    ``max_spill`` bytes of spill stores."""
+    meta, ptx = compiled_in_subprocess(case, tmp_path)
+    assert meta["shared"] <= SM90_SHARED_BYTES
+    assert ptx.count(marker) >= min_markers
+    serialised, spilled = ptxas_report(ptx, tmp_path)
+    assert not serialised, "ptxas serialises the wgmma instructions"
+    assert spilled <= max_spill, f"{spilled} bytes spilled"
+
+
 @pytest.mark.parametrize("tail", [64, 0], ids=["v32_tail64", "dsv4_tail0"])
 @pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense_causal"])
 def test_attention_defaults_compile_without_wgmma_serialisation_or_spills(tail, dense, tmp_path):
-    meta, ptx = compiled_in_subprocess(f"{'dense' if dense else 'sparse'}-{tail}", tmp_path)
-    assert meta["shared"] <= SM90_SHARED_BYTES
-    assert ptx.count("wgmma.mma_async") > 0
-    serialised, spilled = ptxas_report(ptx, tmp_path)
-    assert not serialised, "ptxas serialises the wgmma instructions (C7515): an async result crosses the loop"
-    assert spilled <= (64 if dense else 0), f"{spilled} bytes spilled"
+    check_compiled(f"{'dense' if dense else 'sparse'}-{tail}", tmp_path, max_spill=64 if dense else 0)
 
 
 @pytest.mark.parametrize("tail", [64, 0], ids=["v32_tail64", "dsv4_tail0"])
 @pytest.mark.parametrize("mode", ["dq", "dqdense"], ids=["sparse", "dense_causal"])
 def test_dq_defaults_compile_without_wgmma_serialisation(mode, tail, tmp_path):
     """The backward's warp-specialised dq kernel (``kernel_bwd_dq_ws.py``) at its launch defaults, both modes."""
-    meta, ptx = compiled_in_subprocess(f"{mode}-{tail}", tmp_path)
-    assert meta["shared"] <= SM90_SHARED_BYTES
-    assert ptx.count("wgmma.mma_async") > 0
-    serialised, spilled = ptxas_report(ptx, tmp_path)
-    assert not serialised, "ptxas serialises the wgmma instructions"
-    assert spilled <= 16, f"{spilled} bytes spilled"
+    check_compiled(f"{mode}-{tail}", tmp_path, max_spill=16)
 
 
 @pytest.mark.parametrize("case", ["gate_up-0", "gate_up-1", "d_weight"],
                          ids=["gate_up_ping_pong", "gate_up_cooperative", "d_weight"])
 def test_moe_gemm_defaults_compile_without_wgmma_serialisation(case, tmp_path):
-    meta, ptx = compiled_in_subprocess(case, tmp_path)
-    assert meta["shared"] <= SM90_SHARED_BYTES
-    assert ptx.count("cp.async.bulk.tensor") >= 3  # the loader's TMA loads (and the weight gradient's stores)
-    serialised, spilled = ptxas_report(ptx, tmp_path)
-    assert not serialised, "ptxas serialises the wgmma instructions (C7515)"
-    assert spilled <= 32, f"{spilled} bytes spilled"  # a few bytes before the partitions start
+    # the loader's TMA loads (and the weight gradient's stores); a few bytes of spill before the partitions start
+    check_compiled(case, tmp_path, max_spill=32, marker="cp.async.bulk.tensor", min_markers=3)
 
 
 @gluon.jit
