@@ -326,6 +326,8 @@ def bench_shape(shape: dict, args, rows: list) -> None:
         ab.time_dq_kernels(row, fl, bwd)
     if args.partial_ab:
         ab.time_partial_configs(row, fl, bwd)
+    if args.partial_dtype:
+        ab.partial_dtype_error(row, bwd, q, kv, idx, sink, d_out, scale, d_v, eager_sparse_attn)
     _print_row(shape, row)
     if args.baselines:
         _time_eager(row, fl, args, q, kv, idx, sink, d_out, scale, d_v)
@@ -348,6 +350,8 @@ def main() -> None:
                         help="the dkv reduce with one program per row vs long rows split (alternating rounds)")
     parser.add_argument("--partial-ab", action="store_true",
                         help="launch settings of the dkv-contribution kernel (PARTIAL_AB), alternating rounds")
+    parser.add_argument("--partial-dtype", action="store_true",
+                        help="fp32 vs bf16 dkv contributions: errors against an fp32 reference, backward times")
     parser.add_argument("--dq-kernel", choices=["auto", "triton", "gluon"], default=None,
                         help="kernel_config.DQ_KERNEL for the whole run (sparse and dense backward)")
     parser.add_argument("--dq-ab", action="store_true", help="the Triton dq kernel vs the warp-specialised Gluon one")

@@ -209,3 +209,32 @@ def time_variants(row: dict, fwd, bwd) -> None:
         "bm64w4s2": {"BLOCK_M": 64, "num_warps": 4, "num_stages": 2},
         "bm128w8s2": {"BLOCK_M": 128, "num_warps": 8, "num_stages": 2},
         "bm64w4s3": {"BLOCK_M": 64, "num_warps": 4, "num_stages": 3}}, bwd, 5, 30, 3)
+
+
+def partial_dtype_error(row: dict, bwd, q, kv, idx, sink, d_out, scale: float, d_v: int, eager) -> None:
+    """--partial-dtype: the backward with fp32 (the default) and bf16 per-pair dkv contributions, each against an
+    fp32 reference (``eager``, the gather-softmax on fp32 copies of the same inputs, autograd): dq and dkv relative
+    errors, dkv's on the 1 % most-read kv rows alone (where rounding every contribution to bf16 could add up), and
+    both backward times."""
+    leaves = [t.detach().float().requires_grad_(True) for t in (q, kv)]
+    out_ref, _ = eager(leaves[0], leaves[1], idx, sink, scale, d_v)
+    out_ref.backward(d_out.float())
+    dq_ref, dkv_ref = leaves[0].grad, leaves[1].grad
+    del out_ref, leaves
+    reads = torch.bincount(idx[(idx >= 0) & (idx < kv.shape[0])].long(), minlength=kv.shape[0])
+    hot = reads >= torch.quantile(reads.float(), 0.99)
+
+    def rel(a, b):
+        return float((a.float() - b).norm() / b.norm())
+
+    for dtype in ("float32", "bfloat16"):
+        dq, dkv, _ = bwd(partial_dtype=dtype)
+        row[f"partial_{dtype}"] = {"dq_rel": rel(dq, dq_ref), "dkv_rel": rel(dkv, dkv_ref),
+                                   "dkv_hot_rows_rel": rel(dkv[hot], dkv_ref[hot]),
+                                   "hot_rows": int(hot.sum()), "hot_min_reads": int(reads[hot].min()),
+                                   "bwd_ms": median_ms(lambda d=dtype: bwd(partial_dtype=d), warmup=5, rep=40)}
+    torch.cuda.empty_cache()
+    print(f"  {row['shape']} partial dtype (vs fp32 reference): " + ", ".join(
+        f"{k}: dq {v['dq_rel']:.2e} dkv {v['dkv_rel']:.2e} hot rows {v['dkv_hot_rows_rel']:.2e} "
+        f"({v['hot_rows']} rows, >= {v['hot_min_reads']} reads) bwd {v['bwd_ms']:.2f} ms"
+        for k, v in ((d, row[f"partial_{d}"]) for d in ("float32", "bfloat16"))), flush=True)
