@@ -53,3 +53,11 @@ class FusionConfig(Section):
         "run) Triton kernel; PaddleFleet's atomic cuDNN backward is not built.",
         ("triton",),
     )
+    sparse_attn_dkv_contribution_dtype: str = _key(
+        "float32",
+        "The triton sparse-attention backward's per-pair dkv contributions, summed in fp32 in a fixed order either "
+        "way (byte-identical run to run): float32, or bfloat16 (bf16/fp16 runs only; on the H200 the backward "
+        "1.20-1.38x faster, dkv's error against an fp32 reference 2.35e-3 -> 2.87e-3, benchmarks/RESULTS.md). "
+        "Needs a triton sparse-attention backend.",
+        ("float32", "bfloat16"),
+    )

@@ -81,6 +81,12 @@ class BackendProvider:
         self._rows.append(ResolvedSwitch("mqa_sparse_attn_backward_backend",
                                          config.fusion.mqa_sparse_attn_backward_backend, backward,
                                          "the only backward built: atomic-free, byte-identical run to run"))
+        contributions = config.fusion.sparse_attn_dkv_contribution_dtype
+        self._rows.append(ResolvedSwitch(
+            "sparse_attn_dkv_contribution_dtype", contributions,
+            "the Triton backward's per-pair dkv contributions, summed in fp32" if uses_triton else "unused",
+            "float32 unless set; bfloat16 (bf16/fp16 runs only): backward 1.20-1.38x on the H200, dkv error vs an fp32 "
+            "reference 2.35e-3 -> 2.87e-3 (benchmarks/RESULTS.md)"))
 
     def _note_hopper_experts(self) -> None:
         """On Hopper the experts' gate+up and weight gradients take warp-specialised Gluon kernels for small expert
@@ -102,10 +108,12 @@ class BackendProvider:
         from fleet_ext.ops.sparse_attn.function import sparse_attention_triton
         from fleet_ext.ops.sparse_attn.kernel_config import ws_forward_fits
 
-        if ws_forward_fits("bfloat16", 512, 512) is None:  # Hopper: the forward's warp-specialised Gluon kernel
-            where += "; forward: warp-specialised Gluon kernel (bf16/fp16, value width 512)"
+        if ws_forward_fits("bfloat16", 512, 512) is None:  # Hopper: warp-specialised Gluon kernels
+            where += ("; forward and the backward's dq: warp-specialised Gluon kernels (bf16/fp16, value width 512, "
+                      "dq with 64-head tiles)")
         self._rows.append(ResolvedSwitch(switch, "triton", where, f"switch on; {BACKEND_GUARANTEE}"))
-        return functools.partial(sparse_attention_triton, remap=remap)
+        return functools.partial(sparse_attention_triton, remap=remap,
+                                 partial_dtype=self.config.fusion.sparse_attn_dkv_contribution_dtype)
 
     def _causal_probs(self) -> Callable:
         """The -2 warm-up KL's target: the Triton kernel (no [b, s, h, n] logits) or the Paddle reference."""

@@ -163,6 +163,10 @@ def test_paddlefleet_only_keys_raise_remove_it(key):
         ({"csa_sparse_attn_backend": "triton", "dsa_sink_grad_fusion": True},
          r"`dsa_sink_grad_fusion`.*Triton sparse-attention backward computes d_sink itself"),
         ({"csa_sparse_attn_backend": "cudnn"}, r"allowed one of \['unfused', 'triton'\]"),
+        ({"sparse_attn_dkv_contribution_dtype": "bfloat16"},
+         r"`sparse_attn_dkv_contribution_dtype` = 'bfloat16' can never run: .*neither sparse-attention backend is "
+         r"triton.*set `csa_sparse_attn_backend: triton`"),
+        ({"sparse_attn_dkv_contribution_dtype": "float16"}, r"allowed one of \['float32', 'bfloat16'\]"),
     ],
 )
 def test_invalid_values_name_key_allowed_and_fix(overrides, pattern):
@@ -282,6 +286,7 @@ _RECOMPUTE_NEEDS = {  # the keys a recompute choice requires alongside it
 _MODE_NEEDS = {  # a mode other than its key's default needs the switch it refines (and that switch's prerequisites)
     ("inv_rope_postmix_mode", "fast"): {"use_vha_attention": True, "apply_rope_fusion": True,
                                         "fuse_inv_rope_into_vha_postmix": True},
+    ("sparse_attn_dkv_contribution_dtype", "bfloat16"): {"csa_sparse_attn_backend": "triton"},
 }
 
 

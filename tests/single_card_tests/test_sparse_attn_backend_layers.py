@@ -157,3 +157,22 @@ def test_dense_phases_with_the_triton_backend_are_bitwise_under_full_recompute(p
         assert want["indexer_loss"].item() > 0, "the indexer KL must be on"
     for key in want:
         assert_bitwise(got[key], want[key], f"{phase}, full recompute: {key}")
+
+
+def test_dkv_contribution_dtype_reaches_the_backward(monkeypatch):
+    """``sparse_attn_dkv_contribution_dtype`` reaches every backward call of the triton backend (the spy records
+    what ``sparse_attn_bwd`` is given). Its effect is a GPU one: fp32 inputs, as here, keep fp32 contributions
+    (kernel.py), and bf16 contributions are tested against the fp32 reference in
+    tests/gpu/test_sparse_attn_gpu.py::test_bf16_partials."""
+    from fleet_ext.ops.sparse_attn import kernel
+
+    seen = []
+    real = kernel.sparse_attn_bwd
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("partial_dtype"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernel, "sparse_attn_bwd", spy)
+    _run({"csa_sparse_attn_backend": "triton", "sparse_attn_dkv_contribution_dtype": "bfloat16"})
+    assert seen and set(seen) == {"bfloat16"}, seen

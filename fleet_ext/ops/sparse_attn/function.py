@@ -45,14 +45,14 @@ def _pow2_at_least_16(n: int) -> int:
 
 class _SparseAttnTriton(PyLayer):
     @staticmethod
-    def forward(ctx, q, kv, flat_idx, sink, scale, d_v):
+    def forward(ctx, q, kv, flat_idx, sink, scale, d_v, partial_dtype):
         # per-row trailing bound (last valid slot + 1), derived once and used by the forward and the backward
         bound = kernel.row_bound(flat_idx, kv.shape[0]) if flat_idx.shape[0] and flat_idx.shape[1] else None
         out, lse = kernel.sparse_attn_fwd(q, kv, flat_idx, sink, scale, d_v=d_v, topk_length=bound,
                                           derive_bound=False)
         ctx.bound = bound
         ctx.save_for_backward(q, kv, flat_idx, sink, out, lse)
-        ctx.scale, ctx.d_v = scale, d_v
+        ctx.scale, ctx.d_v, ctx.partial_dtype = scale, d_v, partial_dtype
         # Paddle wants None (not a tensor) for an input that does not require a gradient
         ctx.needs_grad = (not q.stop_gradient, not kv.stop_gradient, not sink.stop_gradient)
         return out, lse
@@ -67,7 +67,8 @@ class _SparseAttnTriton(PyLayer):
             d_lse = d_lse.astype("float32")
             d_lse = d_lse.contiguous() if not d_lse.is_contiguous() else d_lse
         dq, dkv, d_sink = kernel.sparse_attn_bwd(q, kv, flat_idx, sink, ctx.scale, out, lse, d_out, d_lse,
-                                                 d_v=ctx.d_v, topk_length=ctx.bound, derive_bound=False)
+                                                 d_v=ctx.d_v, topk_length=ctx.bound, derive_bound=False,
+                                                 partial_dtype=ctx.partial_dtype)
         dq, dkv, d_sink = (g if need else None for g, need in zip((dq, dkv, d_sink), ctx.needs_grad))
         return dq, dkv, None, d_sink
 
@@ -154,13 +155,15 @@ def sparse_attention_triton(
     remap=local_to_global_flat,
     d_v: int | None = None,
     q_offset: int = 0,
+    partial_dtype: str = "float32",
 ) -> tuple[paddle.Tensor, paddle.Tensor]:
     """q [B, S, H, d], kv [B, N, d], idx [B, S, K] int (-1 invalid), sink [H] fp32 -> (out [B,S,H,d_v], lse [B,S,H]).
 
     Same contract as ``reference.sparse_attention_with_sink``: ``lse`` includes the sink, ``remap`` turns
     local ids into flat ids, ``d_v`` (default d) keeps the first ``d_v`` channels as the value.
     ``idx=None``: dense causal, query i (global position ``q_offset + i``) attends keys ``0 .. q_offset + i``
-    (``q_offset`` is read only then).
+    (``q_offset`` is read only then). ``partial_dtype``: the backward's per-pair dkv contributions (bf16/fp16
+    inputs only; the config key ``sparse_attn_dkv_contribution_dtype``); the dense causal mode has none.
     """
     _validate(q, kv, idx, sink, d_v)
     batch, seq, heads, _ = q.shape
@@ -174,7 +177,7 @@ def sparse_attention_triton(
         flat_idx = remap(idx, kv.shape[1])  # [B*S, K], invalid entries negative
         if not flat_idx.is_contiguous():
             flat_idx = flat_idx.contiguous()
-        out, lse = _SparseAttnTriton.apply(q_flat, kv_flat, flat_idx, sink, float(scale), width_v)
+        out, lse = _SparseAttnTriton.apply(q_flat, kv_flat, flat_idx, sink, float(scale), width_v, partial_dtype)
     if width_v != value:
         out = out[..., :value]
     return out.reshape([batch, seq, heads, value]), lse.reshape([batch, seq, heads])
