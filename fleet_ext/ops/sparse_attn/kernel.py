@@ -254,17 +254,24 @@ def launch_ws_forward(q: Any, kv: Any, sink: Any, out: Any, lse: Any, scale: flo
            HEAD_BLOCKS=head_blocks, **kernel_config.WS_FWD_TILES[d_qk - d_v], **kernel_config.WS_FWD_META)
 
 
-def use_ws_forward(q: Any, kv: Any, d_qk: int, d_v: int, fn: str) -> bool:
-    """Whether this forward runs the warp-specialised Gluon kernel (``kernel_config.FWD_KERNEL``)."""
-    choice = kernel_config.FWD_KERNEL
+def _use_ws(switch: str, fits: Any, tensors: tuple, fn: str) -> bool:
+    """Whether a warp-specialised Gluon kernel runs under ``kernel_config.<switch>`` ("triton" / "auto" / "gluon"):
+    ``fits()`` says why it cannot (None: it can), and ``tensors`` must start 16-byte aligned; "gluon" raises
+    naming why not."""
+    choice = getattr(kernel_config, switch)
     if choice == "triton":
         return False
-    why_not = kernel_config.ws_forward_fits(dtype_name(q), d_qk, d_v)
-    if why_not is None and any(int(torch_view(x).data_ptr()) % 16 for x in (q, kv)):
+    why_not = fits()
+    if why_not is None and any(int(torch_view(x).data_ptr()) % 16 for x in tensors):
         why_not = "rows not 16-byte aligned (cp.async copies 16 bytes)"
     if choice == "gluon" and why_not is not None:
-        raise ValueError(f"{fn}: kernel_config.FWD_KERNEL = 'gluon' cannot run here: {why_not}")
+        raise ValueError(f"{fn}: kernel_config.{switch} = 'gluon' cannot run here: {why_not}")
     return why_not is None
+
+
+def use_ws_forward(q: Any, kv: Any, d_qk: int, d_v: int, fn: str) -> bool:
+    """Whether this forward runs the warp-specialised Gluon kernel (``kernel_config.FWD_KERNEL``)."""
+    return _use_ws("FWD_KERNEL", lambda: kernel_config.ws_forward_fits(dtype_name(q), d_qk, d_v), (q, kv), fn)
 
 
 def _check_bwd_inputs(q: Any, kv: Any, idx: Any, sink: Any, out: Any, lse: Any, d_out: Any, d_lse: Any,
@@ -400,15 +407,8 @@ class _BwdCall:
 
 def use_ws_dq(q: Any, kv: Any, d_out: Any, d_qk: int, d_v: int, block_h: int, fn: str) -> bool:
     """Whether the backward's dq step runs the warp-specialised Gluon kernel (``kernel_config.DQ_KERNEL``)."""
-    choice = kernel_config.DQ_KERNEL
-    if choice == "triton":
-        return False
-    why_not = kernel_config.ws_dq_fits(dtype_name(q), d_qk, d_v, block_h)
-    if why_not is None and any(int(torch_view(x).data_ptr()) % 16 for x in (q, kv, d_out)):
-        why_not = "rows not 16-byte aligned (cp.async copies 16 bytes)"
-    if choice == "gluon" and why_not is not None:
-        raise ValueError(f"{fn}: kernel_config.DQ_KERNEL = 'gluon' cannot run here: {why_not}")
-    return why_not is None
+    return _use_ws("DQ_KERNEL", lambda: kernel_config.ws_dq_fits(dtype_name(q), d_qk, d_v, block_h), (q, kv, d_out),
+                   fn)
 
 
 def launch_ws_dq_dense(q: Any, kv: Any, d_out: Any, lse: Any, delta: Any, dq: Any, scale: float, d_v: int, seq: int,
