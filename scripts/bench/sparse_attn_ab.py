@@ -33,7 +33,8 @@ def kernel_breakdown(fn) -> dict:
 
 
 def time_compare(row: dict, fl: dict, fwd, bwd, bound) -> None:
-    """--compare: no trailing bound, the old backward launch defaults, the bound alone."""
+    """--compare: no trailing bound, the old backward launch defaults (the Triton dq kernel with its old setting,
+    as before the Gluon dq kernel), the bound alone."""
     row["bound_us"] = median_ms(bound) * 1e3
     row["fwd_nobound_ms"] = median_ms(lambda: fwd(derive_bound=False))
     row["fwd_nobound_tflops"] = fl["fwd"] / row["fwd_nobound_ms"] / 1e9
@@ -41,12 +42,14 @@ def time_compare(row: dict, fl: dict, fwd, bwd, bound) -> None:
     row["bwd_nobound_tflops"] = fl["bwd"] / row["bwd_nobound_ms"] / 1e9
     kernel.OVERRIDES["dq"] = [{"BLOCK_N": 32, "num_warps": 8, "num_stages": 2}]
     kernel.OVERRIDES["partial"] = [{"BLOCK_M": 64, "num_warps": 4, "num_stages": 2}]
+    dq_kernel, kernel_config.DQ_KERNEL = kernel_config.DQ_KERNEL, "triton"
     try:
         row["bwd_olddefaults_nobound_ms"] = median_ms(lambda: bwd(derive_bound=False), warmup=10, rep=60)
         row["bwd_olddefaults_nobound_tflops"] = fl["bwd"] / row["bwd_olddefaults_nobound_ms"] / 1e9
     finally:
         kernel.OVERRIDES.pop("dq")
         kernel.OVERRIDES.pop("partial")
+        kernel_config.DQ_KERNEL = dq_kernel
 
 
 def time_reduce_split(row: dict, fl: dict, bwd) -> None:
