@@ -2,14 +2,16 @@
 
 Run on the H200 from the repository root:
 
-    python scripts/bench/tune_sparse_fwd_ws.py [--out DIR] [--shapes NAME ...]
+    python scripts/bench/tune_sparse_fwd_ws.py [--out DIR] [--shapes NAME ...] [--probe]
 
-For each shape, each variant (slots per block, stage buffers, PV order, register split) is checked against the
-Triton forward on the same inputs (relative Frobenius error of ``out``, max |lse| difference) and timed
+For each shape, each variant (slots per block, stage buffers, PV order, softmax form, register split) is checked
+against the Triton forward on the same inputs (relative Frobenius error of ``out``, max |lse| difference) and timed
 (median of ``triton.testing.do_bench``); the Triton forward is timed in the same run. Shapes: ``tl_h128`` /
 ``tl_h64`` are TileLang's own example inputs (S 4096, SKV 8192, top-2048, every slot valid: the side-by-side
 shape of ``.anchors/sparse_mla/side_by_side.py``), the rest are ``bench_sparse_attn.py``'s. FLOPs count valid
-pairs, fwd 2·H·(d_qk + d_v) each. Prints a table last and writes ``tune_sparse_fwd_ws.json``.
+pairs, fwd 2·H·(d_qk + d_v) each. Prints a table last and writes ``tune_sparse_fwd_ws.json``. ``--probe`` also
+times the default with parts left out (``kernel_config.WS_FWD_PROBE``: no KV copies; no MMAs; only the stage
+barriers): what the kernel would take if that part were free, its results wrong by design.
 """
 
 from __future__ import annotations
@@ -36,12 +38,15 @@ from fleet_ext.ops.sparse_attn import causal, kernel, kernel_config  # noqa: E40
 # they are no longer kept; nor is run 7's (same day) next block's S issued before this block's PV is waited on:
 # byte-identical, 4-6 % slower at all four shapes; nor run 8's ping-pong form (both consumers computing S on
 # alternate blocks, commit e4ebc88): 0.71-0.77x the default at the four shapes, its consumers spilling.
-# Nor run 9's persistent programs (one per SM taking tiles in turn): +7-10 % at HCA 16k, -14 % at tl_h64.
+# Nor run 9's persistent programs (one per SM taking tiles in turn): +7-10 % at HCA 16k, -14 % at tl_h64. Nor runs
+# 11-12's masked QK accumulator with the scale in the exponent's FMA, lazy rescaling, or channels 256-511 on their
+# own stage barriers (RESULTS.md, "What limits the forward").
+# Each variant's tiles are overrides of kernel_config.WS_FWD_TILES; the first is the default.
 VARIANTS = [
-    ("n64_s2_psmem", {"BLOCK_N": 64, "NUM_STAGES": 2, "P_IN_REGS": False}, (168, 80)),
-    ("n64_s2_preg", {"BLOCK_N": 64, "NUM_STAGES": 2, "P_IN_REGS": True}, (168, 80)),
-    ("n64_s2_preg_r168g96", {"BLOCK_N": 64, "NUM_STAGES": 2, "P_IN_REGS": True}, (168, 96)),
+    ("default", {}, (168, 96)),
+    ("psmem", {"P_IN_REGS": False}, (168, 96)),
 ]
+PROBES = [("probe_no_kv_copies", 1), ("probe_no_mma", 2), ("probe_barriers_only", 3)]
 
 
 def tilelang_inputs(seq: int, n_kv: int, heads: int, topk: int, seed: int = 0) -> tuple:
@@ -75,7 +80,7 @@ def dense_case(name: str) -> tuple:
     return (lambda: causal.causal_attn_fwd(q, kv, sink, 576 ** -0.5, seq, 0, d_v=512)), flop, 64
 
 
-def sweep(name: str) -> list[dict]:
+def sweep(name: str, probe: bool = False) -> list[dict]:
     if name.startswith("dense_"):
         fwd, flop, tail = dense_case(name)
     else:
@@ -95,9 +100,12 @@ def sweep(name: str) -> list[dict]:
     kernel_config.FWD_KERNEL = "gluon"
     saved_tiles, saved_meta = dict(kernel_config.WS_FWD_TILES[tail]), dict(kernel_config.WS_FWD_META)
     first = None
-    for vname, tiles, (right, gather) in VARIANTS:
-        kernel_config.WS_FWD_TILES[tail] = tiles
+    runs = [(vname, tiles, regs, 0) for vname, tiles, regs in VARIANTS]
+    runs += [(vname, {}, VARIANTS[0][2], level) for vname, level in PROBES] if probe else []
+    for vname, tiles, (right, gather), level in runs:
+        kernel_config.WS_FWD_TILES[tail] = {**saved_tiles, **tiles}
         kernel_config.WS_FWD_META.update(RIGHT_REGS=right, GATHER_REGS=gather)
+        kernel_config.WS_FWD_PROBE = level
         row = {"shape": name, "variant": vname}
         try:
             out, lse = fwd()
@@ -110,6 +118,8 @@ def sweep(name: str) -> list[dict]:
             row["tflops"] = flop / row["ms"] / 1e9
         except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, the sweep goes on
             row["error"] = f"{type(exc).__name__}: {exc}"[:200]
+        finally:
+            kernel_config.WS_FWD_PROBE = 0
         rows.append(row)
         print(row, flush=True)
     kernel_config.WS_FWD_TILES[tail] = saved_tiles
@@ -124,10 +134,11 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--shapes", nargs="*", default=["tl_h128", "tl_h64", "v4csa_s16384", "v4hca_s16384"],
                         help="also dense_s{S}_h{H}: the dense causal mode on one sequence")
+    parser.add_argument("--probe", action="store_true", help="also time the default with parts left out")
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
     print(f"{props.name}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
-    rows = [r for name in args.shapes for r in sweep(name)]
+    rows = [r for name in args.shapes for r in sweep(name, args.probe)]
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "tune_sparse_fwd_ws.json"), "w") as f:
         json.dump({"command": "python scripts/bench/tune_sparse_fwd_ws.py " + " ".join(sys.argv[1:]), "rows": rows},

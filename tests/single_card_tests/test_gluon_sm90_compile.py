@@ -65,13 +65,15 @@ def compile_sm90(fn, signature: dict, constexprs: dict, aligned: tuple[str, ...]
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def compile_ws_forward(tail: int, dense: bool):
-    """The forward at ``kernel_config``'s launch defaults, as ``kernel.launch_ws_forward`` launches it."""
+def compile_ws_forward(tail: int, dense: bool, **overrides):
+    """The forward at ``kernel_config``'s launch defaults (``overrides`` replace some), as
+    ``kernel.launch_ws_forward`` launches it."""
     pointers = {"Q": "*bf16", "KV": "*bf16", "IDX": "*bf16" if dense else "*i32", "TOPK_LEN": "*i32",
                 "SINK": "*fp32", "OUT": "*bf16", "LSE": "*fp32"}
     scalars = {name: "i32" for name in ("H", "N", "K", "S", "q_offset")}
     strides = {name: "i32" for name in ("stride_qt", "stride_qh", "stride_kvn", "stride_it", "stride_ot", "stride_oh")}
-    meta = {**kernel_config.WS_FWD_TILES[tail], **kernel_config.WS_FWD_META}
+    meta = {**kernel_config.WS_FWD_TILES[tail], **kernel_config.WS_FWD_META, "PROBE": kernel_config.WS_FWD_PROBE,
+            **overrides}
     options = {k: meta.pop(k) for k in ("num_warps", "maxnreg")}
     constexprs = {"D_TAIL": tail, "BLOCK_H": 64, "HAS_TOPK_LEN": not dense, "DENSE": dense, "HEAD_BLOCKS": 2, **meta}
     signature = {**pointers, **scalars, "qk_scale": "fp32", **strides, **{k: "constexpr" for k in constexprs}}

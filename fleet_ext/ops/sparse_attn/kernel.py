@@ -251,7 +251,8 @@ def launch_ws_forward(q: Any, kv: Any, sink: Any, out: Any, lse: Any, scale: flo
            q if topk_length is None else topk_length, sink, out, lse, heads, n_kv, width, int(seq), int(q_offset),
            float(scale) * _LOG2E, heads * d_qk, d_qk, d_qk, width, heads * d_v, d_v,
            D_TAIL=d_qk - d_v, BLOCK_H=64, HAS_TOPK_LEN=topk_length is not None, DENSE=dense,
-           HEAD_BLOCKS=head_blocks, **kernel_config.WS_FWD_TILES[d_qk - d_v], **kernel_config.WS_FWD_META)
+           HEAD_BLOCKS=head_blocks, PROBE=kernel_config.WS_FWD_PROBE, **kernel_config.WS_FWD_TILES[d_qk - d_v],
+           **kernel_config.WS_FWD_META)
 
 
 def _use_ws(switch: str, fits: Any, tensors: tuple, fn: str) -> bool:

@@ -52,6 +52,9 @@ WS_FWD_META = {"num_warps": 4, "maxnreg": 168, "RIGHT_REGS": 168, "GATHER_REGS":
 # warpgroup's PV reads P from registers (kernel_fwd_ws.py; sweep: scripts/bench/tune_sparse_fwd_ws.py).
 WS_FWD_TILES = {64: {"BLOCK_N": 64, "NUM_STAGES": 2, "P_IN_REGS": True},
                 0: {"BLOCK_N": 64, "NUM_STAGES": 2, "P_IN_REGS": True}}
+# A measuring instrument, never a setting: 1 drops the forward's KV copies, 2 its MMAs, 3 all but its barriers
+# (wrong results; ``scripts/bench/tune_sparse_fwd_ws.py --probe`` times what limits the kernel).
+WS_FWD_PROBE = 0
 
 # The backward's dq step: "auto" (the warp-specialised Gluon dq kernel, ``kernel_bwd_dq_ws.py``, wherever
 # ``ws_dq_fits`` says it can run, else the Triton one), "triton" (``kernel_bwd._bwd_dq_kernel`` always), "gluon"

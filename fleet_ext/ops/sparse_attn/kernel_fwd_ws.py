@@ -24,7 +24,8 @@ bitwise (GPU tests: within the Triton kernel's tolerances of the fp32 reference,
 The same kernel has a dense causal mode (``DENSE``: contiguous keys up to each row's causal bound, for
 ``causal.py``). Device code only; sm90 with bf16/fp16 inputs, ``d_v = 512`` and a tail of 0 or 64 channels
 (``kernel_config.ws_forward_fits`` decides when it runs; timings and what limits it: ``benchmarks/RESULTS.md``,
-"warp-specialised forward").
+"warp-specialised forward"). ``PROBE`` (``kernel_config.WS_FWD_PROBE``, 0 but in that measurement) leaves a part out
+to time the rest.
 """
 
 from __future__ import annotations
@@ -78,19 +79,22 @@ def _copy_cols(dst, BASE, row, ok, stride_row, col0, WIDTH: gl.constexpr, layout
 
 @gluon.jit
 def _gather_kv_blocks(kv_base, idx_row, n_valid, kv_lo, kv_hi, kv_tail, kv_ready, kv_free, N, stride_kvn,
-                      D_TAIL: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, GATHER: gl.constexpr):
+                      D_TAIL: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, GATHER: gl.constexpr,
+                      PROBE: gl.constexpr = 0):
     """Each block's KV rows into the next free stage (``kv_free`` / ``kv_ready`` per stage). The next block's row
-    numbers are loaded right after a block's copies are issued, so their latency passes while the stage is in use."""
+    numbers are loaded right after a block's copies are issued, so their latency passes while the stage is in use.
+    ``PROBE`` 1 (a measurement, wrong results): no copies, the barriers and row numbers as usual."""
     row, ok = _rows(idx_row, 0, n_valid, N, BLOCK_N, _WIDE_ROWS, GATHER)
     if D_TAIL > 0:
         row_t, ok_t = _rows(idx_row, 0, n_valid, N, BLOCK_N, _NARROW_ROWS, GATHER)
     for i in range(gl.cdiv(n_valid, BLOCK_N)):
         stage = i % NUM_STAGES
         mbarrier.wait(kv_free.index(stage), ((i // NUM_STAGES) & 1) ^ 1)
-        _copy_cols(kv_lo.index(stage), kv_base, row, ok, stride_kvn, 0, HALF, _WIDE)
-        _copy_cols(kv_hi.index(stage), kv_base, row, ok, stride_kvn, HALF, HALF, _WIDE)
-        if D_TAIL > 0:
-            _copy_cols(kv_tail.index(stage), kv_base, row_t, ok_t, stride_kvn, 2 * HALF, D_TAIL, _NARROW)
+        if PROBE != 1:
+            _copy_cols(kv_lo.index(stage), kv_base, row, ok, stride_kvn, 0, HALF, _WIDE)
+            _copy_cols(kv_hi.index(stage), kv_base, row, ok, stride_kvn, HALF, HALF, _WIDE)
+            if D_TAIL > 0:
+                _copy_cols(kv_tail.index(stage), kv_base, row_t, ok_t, stride_kvn, 2 * HALF, D_TAIL, _NARROW)
         async_copy.mbarrier_arrive(kv_ready.index(stage), increment_count=False)
         row, ok = _rows(idx_row, (i + 1) * BLOCK_N, n_valid, N, BLOCK_N, _WIDE_ROWS, GATHER)
         if D_TAIL > 0:
@@ -100,7 +104,7 @@ def _gather_kv_blocks(kv_base, idx_row, n_valid, kv_lo, kv_hi, kv_tail, kv_ready
 @gluon.jit
 def _gather_partition(q_base, kv_base, idx_row, n_valid, bufs, bars, h0, H, N, stride_qh, stride_kvn,
                       D_TAIL: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                      GATHER: gl.constexpr):
+                      GATHER: gl.constexpr, PROBE: gl.constexpr):
     """The query tile once, then each block's rows (``_gather_kv_blocks``)."""
     q_lo, q_hi, q_tail, kv_lo, kv_hi, kv_tail, p_smem, alpha_smem, l_smem = bufs
     q_ready, kv_ready, kv_free, p_ready, p_free, done = bars
@@ -114,7 +118,7 @@ def _gather_partition(q_base, kv_base, idx_row, n_valid, bufs, bars, h0, H, N, s
     async_copy.mbarrier_arrive(q_ready, increment_count=False)
 
     _gather_kv_blocks(kv_base, idx_row, n_valid, kv_lo, kv_hi, kv_tail, kv_ready, kv_free, N, stride_kvn, D_TAIL,
-                      BLOCK_N, NUM_STAGES, GATHER)
+                      BLOCK_N, NUM_STAGES, GATHER, PROBE)
 
 
 @gluon.jit
@@ -152,12 +156,13 @@ def _hand_over(p, alpha, p_smem, alpha_smem, p_ready, p_free, i):
 @gluon.jit
 def _blocks(idx_row, n_valid, N, qk_scale, m_i, l_i, o, bufs, bars, s_l: gl.constexpr, o_l: gl.constexpr,
             D_TAIL: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-            GATHER: gl.constexpr, P_IN_REGS: gl.constexpr):
+            GATHER: gl.constexpr, P_IN_REGS: gl.constexpr, PROBE: gl.constexpr):
     """Per block: S_i, softmax, PV_i (left half), free the stage (a whole block before the gather needs it again).
     ``P_IN_REGS``: this warpgroup's PV takes P from registers and is issued before the hand-over, so waiting for the
     right half to finish the previous block is off this warpgroup's path to the tensor cores. Every async wgmma is
     waited in the iteration that issued it: a wgmma result carried around the loop makes ptxas serialise all of them
-    (C7515)."""
+    (C7515). ``PROBE`` (a measurement, wrong results): 2 issues no MMA (the softmax and hand-overs on zeros), 3
+    only waits for each stage and frees it."""
     q_lo, q_hi, q_tail, kv_lo, kv_hi, kv_tail, p_smem, alpha_smem, l_smem = bufs
     q_ready, kv_ready, kv_free, p_ready, p_free, done = bars
     col_s: gl.constexpr = gl.SliceLayout(0, s_l)
@@ -166,17 +171,24 @@ def _blocks(idx_row, n_valid, N, qk_scale, m_i, l_i, o, bufs, bars, s_l: gl.cons
         stage = i % NUM_STAGES
         _, ok = _rows(idx_row, i * BLOCK_N, n_valid, N, BLOCK_N, col_s, GATHER)  # latency hidden by S_i
         mbarrier.wait(kv_ready.index(stage), (i // NUM_STAGES) & 1)
-        s = _issue_qk(q_lo, q_hi, q_tail, kv_lo.index(stage), kv_hi.index(stage), kv_tail.index(stage),
-                      gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_l), D_TAIL)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        m_i, l_i, o, p, alpha = _softmax_block(s, ok, m_i, l_i, o, qk_scale, o_l)
-        if P_IN_REGS:
-            o_tok = warpgroup_mma(gl.convert_layout(p.to(p_smem.dtype), a_l), kv_lo.index(stage), o, is_async=True)
-            _hand_over(p, alpha, p_smem, alpha_smem, p_ready, p_free, i)
-        else:
-            _hand_over(p, alpha, p_smem, alpha_smem, p_ready, p_free, i)
-            o_tok = warpgroup_mma(p_smem, kv_lo.index(stage), o, is_async=True)
-        o = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
+        if PROBE != 3:
+            s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_l)
+            if PROBE != 2:
+                s = _issue_qk(q_lo, q_hi, q_tail, kv_lo.index(stage), kv_hi.index(stage), kv_tail.index(stage), s,
+                              D_TAIL)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            m_i, l_i, o, p, alpha = _softmax_block(s, ok, m_i, l_i, o, qk_scale, o_l)
+            if PROBE == 2:
+                _hand_over(p, alpha, p_smem, alpha_smem, p_ready, p_free, i)
+            elif P_IN_REGS:
+                o_tok = warpgroup_mma(gl.convert_layout(p.to(p_smem.dtype), a_l), kv_lo.index(stage), o,
+                                      is_async=True)
+                _hand_over(p, alpha, p_smem, alpha_smem, p_ready, p_free, i)
+                o = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
+            else:
+                _hand_over(p, alpha, p_smem, alpha_smem, p_ready, p_free, i)
+                o_tok = warpgroup_mma(p_smem, kv_lo.index(stage), o, is_async=True)
+                o = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
         mbarrier.arrive(kv_free.index(stage), count=1)
     return m_i, l_i, o
 
@@ -184,7 +196,7 @@ def _blocks(idx_row, n_valid, N, qk_scale, m_i, l_i, o, bufs, bars, s_l: gl.cons
 @gluon.jit
 def _softmax_partition(idx_row, n_valid, SINK, OUT, LSE, bufs, bars, t, h0, H, N, qk_scale, stride_ot, stride_oh,
                        D_TAIL: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                       P_IN_REGS: gl.constexpr, GATHER: gl.constexpr):
+                       P_IN_REGS: gl.constexpr, GATHER: gl.constexpr, PROBE: gl.constexpr):
     q_lo, q_hi, q_tail, kv_lo, kv_hi, kv_tail, p_smem, alpha_smem, l_smem = bufs
     q_ready, kv_ready, kv_free, p_ready, p_free, done = bars
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
@@ -198,7 +210,7 @@ def _softmax_partition(idx_row, n_valid, SINK, OUT, LSE, bufs, bars, t, h0, H, N
     o = gl.zeros([BLOCK_H, HALF], gl.float32, o_l)
     mbarrier.wait(q_ready, 0)
     m_i, l_i, o = _blocks(idx_row, n_valid, N, qk_scale, m_i, l_i, o, bufs, bars, s_l, o_l, D_TAIL, BLOCK_H, BLOCK_N,
-                          NUM_STAGES, GATHER, P_IN_REGS)
+                          NUM_STAGES, GATHER, P_IN_REGS, PROBE)
 
     l_i = l_i + gl.exp2(sink2 - m_i)
     has_mass = l_i > 0.0
@@ -222,7 +234,8 @@ def _store_half(OUT, acc, l_row, t, h0, col0, H, stride_ot, stride_oh, o_l: gl.c
 
 @gluon.jit
 def _right_half_partition(n_valid, OUT, bufs, bars, t, h0, H, stride_ot, stride_oh,
-                          BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+                          BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                          PROBE: gl.constexpr):
     q_lo, q_hi, q_tail, kv_lo, kv_hi, kv_tail, p_smem, alpha_smem, l_smem = bufs
     q_ready, kv_ready, kv_free, p_ready, p_free, done = bars
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
@@ -230,11 +243,15 @@ def _right_half_partition(n_valid, OUT, bufs, bars, t, h0, H, stride_ot, stride_
     acc = gl.zeros([BLOCK_H, HALF], gl.float32, o_l)
     for i in range(gl.cdiv(n_valid, BLOCK_N)):
         stage = i % NUM_STAGES
-        mbarrier.wait(p_ready, i & 1)
-        acc = acc * alpha_smem.load(rows_o)[:, None]
-        acc = warpgroup_mma(p_smem, kv_hi.index(stage), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(p_free, count=1)
+        if PROBE == 3:  # a measurement (_blocks): only the stage's turn
+            mbarrier.wait(kv_ready.index(stage), (i // NUM_STAGES) & 1)
+        else:
+            mbarrier.wait(p_ready, i & 1)
+            acc = acc * alpha_smem.load(rows_o)[:, None]
+            if PROBE != 2:
+                acc = warpgroup_mma(p_smem, kv_hi.index(stage), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(p_free, count=1)
         mbarrier.arrive(kv_free.index(stage), count=1)
     mbarrier.wait(done, 0)
     _store_half(OUT, acc, l_smem.load(rows_o), t, h0, HALF, H, stride_ot, stride_oh, o_l, BLOCK_H)
@@ -247,7 +264,7 @@ def _sparse_attn_fwd_ws_kernel(
     stride_qt, stride_qh, stride_kvn, stride_it, stride_ot, stride_oh,
     D_TAIL: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
     NUM_STAGES: gl.constexpr, P_IN_REGS: gl.constexpr, DENSE: gl.constexpr, GATHER_REGS: gl.constexpr,
-    RIGHT_REGS: gl.constexpr, HEAD_BLOCKS: gl.constexpr,
+    RIGHT_REGS: gl.constexpr, HEAD_BLOCKS: gl.constexpr, PROBE: gl.constexpr,
 ):
     """One program per (query row, 64 heads). Sparse (``DENSE`` False): the row's keys are its index slots, up to
     ``topk_length`` when given. Dense causal (``kernel_causal.py``'s contract; ``IDX``, ``TOPK_LEN``, ``K`` unused):
@@ -308,9 +325,9 @@ def _sparse_attn_fwd_ws_kernel(
     bars = (q_ready, kv_ready, kv_free, p_ready, p_free, done)
     gl.warp_specialize([
         (_softmax_partition, (idx_row, n_valid, SINK, OUT, LSE, bufs, bars, t, h0, H, N, qk_scale, stride_ot,
-                              stride_oh, D_TAIL, BLOCK_H, BLOCK_N, NUM_STAGES, P_IN_REGS, not DENSE)),
+                              stride_oh, D_TAIL, BLOCK_H, BLOCK_N, NUM_STAGES, P_IN_REGS, not DENSE, PROBE)),
         (_right_half_partition, (n_valid, OUT, bufs, bars, t, h0, H, stride_ot, stride_oh, BLOCK_H, BLOCK_N,
-                                 NUM_STAGES)),
+                                 NUM_STAGES, PROBE)),
         (_gather_partition, (Q + t * stride_qt, kv_base, idx_row, n_valid, bufs, bars, h0, H, N, stride_qh,
-                             stride_kvn, D_TAIL, BLOCK_H, BLOCK_N, NUM_STAGES, not DENSE)),
+                             stride_kvn, D_TAIL, BLOCK_H, BLOCK_N, NUM_STAGES, not DENSE, PROBE)),
     ], [4, 4], [RIGHT_REGS, GATHER_REGS])
