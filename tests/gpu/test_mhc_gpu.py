@@ -80,7 +80,17 @@ def check(got, want, dtype, what, gain=False):
 
 
 PRE_KERNELS = ("_mhc_proj_fwd", "_mhc_pre_fwd")
-PRE_BWD_KERNELS = ("_mhc_pre_bwd", "_mhc_dx_bwd", "_mhc_params_bwd")
+
+
+def pre_bwd_kernels(kernel, x, head=False) -> tuple[str, ...]:
+    """The pre backward's three launches for streams ``x``: the streams' gradient in Gluon where the contract says
+    (``kernel.DX_KERNEL`` "gluon", or "auto" with no Triton geometry in ``TUNE``, for bf16 streams of 4 x a multiple
+    of 64 channels under the default bf16 products, not the head), else in Triton."""
+    _, n, d = x.shape
+    products = kernel.TUNE.get("dot", "bf16x3") == "bf16x3" and kernel.TUNE.get("gx", "bf16x3") == "bf16x3"
+    fits = x.dtype == torch.bfloat16 and n == 4 and d % 64 == 0 and products and not head
+    gluon = kernel.DX_KERNEL == "gluon" or (kernel.DX_KERNEL == "auto" and "dx" not in kernel.TUNE and fits)
+    return ("_mhc_pre_bwd", "_mhc_dx_gluon" if gluon else "_mhc_dx_bwd", "_mhc_params_bwd")
 
 
 def _forward(kernel, a):
@@ -180,11 +190,13 @@ def test_gradients_vs_float64_autograd(kernel, tokens, n, d, dtype):
     _, _, _, head_mix, head_r = kernel.pre_forward(a["x"], a["head_fn"], a["head_base"], a["head_scale"], ITERS,
                                                    EPS, NORM_EPS, head=True)
     a["post"], a["comb"] = post, comb
-    with expect_launches(*PRE_BWD_KERNELS, exactly=2), expect_launches("_mhc_combine_bwd", exactly=1):
+    with expect_launches(*pre_bwd_kernels(kernel, a["x"]), exactly=1):
         pre = kernel.pre_backward(a["x"], a["fn"], a["base"], a["scale"], mix, r, a["g_post"], a["g_comb"],
                                   a["g_y"], ITERS, EPS)
+    with expect_launches(*pre_bwd_kernels(kernel, a["x"], head=True), exactly=1):
         hd = kernel.pre_backward(a["x"], a["head_fn"], a["head_base"], a["head_scale"], head_mix, head_r, None,
                                  None, a["g_y"], ITERS, EPS, head=True)
+    with expect_launches("_mhc_combine_bwd", exactly=1):
         comb_grads = kernel.combine_backward(a["x"], a["f"], post, comb, a["g_out"])
     want_pre, want_comb = _oracle_grads(a)
     if dtype == torch.float32:  # bf16: each op's streams gradient is rounded on its own (the next test)
@@ -202,7 +214,7 @@ def _assert_pre_op_matches_float64(kernel, a, label: str) -> None:
     """The pre op forward and backward (bf16 streams) under the current ``kernel.TUNE`` vs torch float64 autograd:
     its outputs, its streams gradient (rounded to bf16 once: alone, without the head's) and the parameter
     gradients, the fused entries."""
-    with expect_launches(*PRE_KERNELS, *PRE_BWD_KERNELS, exactly=1):
+    with expect_launches(*PRE_KERNELS, *pre_bwd_kernels(kernel, a["x"]), exactly=1):
         post, comb, y, mix, r = kernel.pre_forward(a["x"], a["fn"], a["base"], a["scale"], ITERS, EPS, NORM_EPS)
         g_x, g_fn, g_base, g_scale = kernel.pre_backward(a["x"], a["fn"], a["base"], a["scale"], mix, r, a["g_post"],
                                                          a["g_comb"], a["g_y"], ITERS, EPS)
@@ -221,6 +233,33 @@ def test_product_modes_in_bf16(kernel, monkeypatch, dot, gx):
     """Each tile-product mode the launchers offer, at V4's width."""
     monkeypatch.setattr(kernel, "TUNE", {"dot": dot, "gx": gx})
     _assert_pre_op_matches_float64(kernel, make(256, 4, 4096, torch.bfloat16, seed=3), f"{dot}/{gx}")
+
+
+@pytest.mark.parametrize("tokens, d", [(256, 4096), (1000, 128), (77, 64)])
+def test_gluon_streams_gradient_matches_triton_and_float64(kernel, monkeypatch, tokens, d):
+    """The streams' gradient from the Gluon kernel and from the Triton one (each forced), same inputs (token tails
+    within a split and across splits, one or several channel tiles): each within the fused entries of float64
+    autograd, with launch counters; ``g_x`` within one bf16 rounding of each other per element (the fp32 sums differ
+    in MMA order only; plus 1e-5 of the largest entry where a sum cancels), ``g_fn`` within 1e-5 of its largest
+    entry. A 3 % error in either fails that comparison."""
+    a = make(tokens, 4, d, torch.bfloat16, seed=5 + tokens)
+    grads = {}
+    for which in ("gluon", "triton"):
+        monkeypatch.setattr(kernel, "DX_KERNEL", which)
+        _assert_pre_op_matches_float64(kernel, a, f"dx {which}")
+        _, _, _, mix, r = kernel.pre_forward(a["x"], a["fn"], a["base"], a["scale"], ITERS, EPS, NORM_EPS)
+        grads[which] = kernel.pre_backward(a["x"], a["fn"], a["base"], a["scale"], mix, r, a["g_post"],
+                                           a["g_comb"], a["g_y"], ITERS, EPS)[:2]
+    (gx_g, fn_g), (gx_t, fn_t) = grads["gluon"], grads["triton"]
+
+    def agree(g_x, g_fn) -> bool:
+        want = gx_t.float()
+        floor = 1e-5 * want.abs().max()  # sums that cancel: the fp32 difference against the terms, not the sum
+        one_rounding = bool(((g_x.float() - want).abs() <= 2 ** -7 * want.abs() + floor).all())
+        return one_rounding and float((g_fn - fn_t).abs().max()) <= 1e-5 * float(fn_t.abs().max())
+
+    assert agree(gx_g, fn_g), "Gluon and Triton streams' gradients differ by more than one rounding"
+    assert not agree(gx_g * 1.03, fn_g) and not agree(gx_g, fn_g * 1.03), "the comparison misses a 3 % error"
 
 
 def _variant_id(variant: dict) -> str:
@@ -255,7 +294,8 @@ def _step(kernel, a) -> tuple:
 
 
 def _assert_deterministic(kernel, a, runs: int, what: str) -> tuple:
-    with expect_launches(*PRE_KERNELS, *PRE_BWD_KERNELS, "_mhc_combine_fwd", "_mhc_combine_bwd", exactly=1):
+    with expect_launches(*PRE_KERNELS, *pre_bwd_kernels(kernel, a["x"]), "_mhc_combine_fwd", "_mhc_combine_bwd",
+                         exactly=1):
         first = _step(kernel, a)
     for _ in range(runs - 1):
         for i, (got, want) in enumerate(zip(_step(kernel, a), first)):

@@ -1,11 +1,13 @@
 """The Gluon kernels compiled for sm90 on the CPU, without a GPU: the warp-specialised sparse-attention forward
-(``sparse_attn/kernel_fwd_ws.py``) and backward dq step (``kernel_bwd_dq_ws.py``), and the grouped gate+up GEMM
-and expert weight gradient (``moe_experts/kernel_gate_up_ws.py``, ``kernel_d_weight_ws.py``).
+(``sparse_attn/kernel_fwd_ws.py``) and backward dq step (``kernel_bwd_dq_ws.py``), the grouped gate+up GEMM
+and expert weight gradient (``moe_experts/kernel_gate_up_ws.py``, ``kernel_d_weight_ws.py``) and the mHC
+streams' gradient (``mhc/kernel_dx_gluon.py``).
 
-They run only on Hopper (their results are tested on the H200 by ``tests/gpu/test_sparse_attn_gpu.py`` and
-``tests/gpu/test_moe_experts_gpu.py``), but two properties that decide their speed are visible in the compiler's
-output and are checked here, in CI, at their launch defaults (attention: ``kernel_config``'s, sparse and dense
-causal, tail 64 and 0; gate+up: ``kernel.WS_GATE_UP``, ping-pong and cooperative; ``kernel_bwd.WS_D_WEIGHT``):
+They run only on Hopper (their results are tested on the H200 by ``tests/gpu/test_sparse_attn_gpu.py``,
+``tests/gpu/test_moe_experts_gpu.py`` and ``tests/gpu/test_mhc_gpu.py``), but two properties that decide their
+speed are visible in the compiler's output and are checked here, in CI, at their launch defaults (attention:
+``kernel_config``'s, sparse and dense causal, tail 64 and 0; gate+up: ``kernel.WS_GATE_UP``, ping-pong and
+cooperative; ``kernel_bwd.WS_D_WEIGHT``; mHC: ``GPU_CONFIG["dx_gluon"]``):
 
 - ptxas does not serialise the wgmma instructions (its performance warning C7515: a wait after every HGMMA). It
   does so when an async wgmma result is carried around a loop next to registers written by other instructions; a
@@ -42,6 +44,8 @@ from fleet_ext import capability  # noqa: E402
 if __name__ == "__main__":  # the compiling subprocess: kernels built for sm90, not for the interpreter
     capability.prepare_triton(interpreter=False)
 
+from fleet_ext.ops.mhc import kernel as mhc_kernel  # noqa: E402
+from fleet_ext.ops.mhc.kernel_dx_gluon import _mhc_dx_gluon  # noqa: E402
 from fleet_ext.ops.moe_experts import kernel as moe_kernel  # noqa: E402
 from fleet_ext.ops.moe_experts import kernel_bwd as moe_kernel_bwd  # noqa: E402
 from fleet_ext.ops.moe_experts.kernel_d_weight_ws import _d_weight_ws_kernel  # noqa: E402
@@ -126,6 +130,17 @@ def compile_d_weight_ws():
     return compile_sm90(_d_weight_ws_kernel, signature, constexprs, ("counts_ptr", "M", "NN"), num_warps=4)
 
 
+def compile_mhc_dx():
+    """The mHC streams' gradient at ``kernel.GPU_CONFIG["dx_gluon"]``, V4-Flash's widths (4 streams of 4096, bf16)."""
+    cfg = {k: v for k, v in mhc_kernel.GPU_CONFIG["dx_gluon"].items() if k not in mhc_kernel.HOST_KEYS}
+    options = {"num_warps": cfg.pop("num_warps")}
+    pointers = {"x_ptr": "*bf16", "fn_ptr": "*fp32", "g_ptr": "*bf16", "pre_ptr": "*fp32", "coef_ptr": "*fp32",
+                "dy_ptr": "*bf16", "dx_ptr": "*bf16", "part_ptr": "*fp32"}
+    constexprs = {"N": 4, "P": 4, "D": 4096, "NOUT": 24, "NO": 32, **cfg}
+    signature = {**pointers, "T": "i32", "TS": "i32", **{k: "constexpr" for k in constexprs}}
+    return compile_sm90(_mhc_dx_gluon, signature, constexprs, (*pointers, "T", "TS"), **options)
+
+
 def compiled_in_subprocess(case: str, tmp_path) -> tuple[dict, str]:
     """Compile ``case`` in a fresh process (this file run as a script) with the interpreter off and an empty Triton
     cache: the CPU suite sets ``TRITON_INTERPRET=1`` before Triton's own jitted helpers are made, and those cannot
@@ -175,6 +190,11 @@ def test_dq_defaults_compile_without_wgmma_serialisation(mode, tail, tmp_path):
     check_compiled(f"{mode}-{tail}", tmp_path, max_spill=16)
 
 
+def test_mhc_dx_compiles_without_wgmma_serialisation_or_spills(tmp_path):
+    """The mHC streams' gradient (``mhc/kernel_dx_gluon.py``): its six MMAs a tile, all waited in the tile."""
+    check_compiled("mhc_dx", tmp_path, max_spill=0, min_markers=2)
+
+
 @pytest.mark.parametrize("case", ["gate_up-0", "gate_up-1", "d_weight"],
                          ids=["gate_up_ping_pong", "gate_up_cooperative", "d_weight"])
 def test_moe_gemm_defaults_compile_without_wgmma_serialisation(case, tmp_path):
@@ -219,6 +239,8 @@ if __name__ == "__main__":  # the subprocess of ``compiled_in_subprocess``: <cas
                               num_warps=4)
     elif case == "d_weight":
         kernel = compile_d_weight_ws()
+    elif case == "mhc_dx":
+        kernel = compile_mhc_dx()
     elif case.startswith("dq"):
         kernel = compile_ws_dq(int(case.split("-")[1]), dense=case.startswith("dqdense"))
     elif case.startswith("gate_up-"):

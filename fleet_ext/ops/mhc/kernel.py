@@ -46,8 +46,10 @@ from typing import Any
 
 import triton
 
-from fleet_ext.ops.launch import detached, dtype_name, empty_like, is_paddle, launch, shape_of
+from fleet_ext import capability
+from fleet_ext.ops.launch import detached, dtype_name, empty_like, is_paddle, launch, shape_of, torch_view
 from fleet_ext.ops.mhc.kernel_bwd import _mhc_combine_bwd, _mhc_dx_bwd, _mhc_params_bwd, _mhc_pre_bwd
+from fleet_ext.ops.mhc.kernel_dx_gluon import _mhc_dx_gluon
 from fleet_ext.ops.mhc.kernel_fwd import (
     DOT_BF16X3,
     DOT_BF16X3_ROUNDED,
@@ -60,8 +62,8 @@ from fleet_ext.ops.mhc.kernel_fwd import (
 )
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
-KERNELS = ("_mhc_proj_fwd", "_mhc_pre_fwd", "_mhc_combine_fwd", "_mhc_pre_bwd", "_mhc_dx_bwd", "_mhc_params_bwd",
-           "_mhc_combine_bwd")
+KERNELS = ("_mhc_proj_fwd", "_mhc_pre_fwd", "_mhc_combine_fwd", "_mhc_pre_bwd", "_mhc_dx_bwd", "_mhc_dx_gluon",
+           "_mhc_params_bwd", "_mhc_combine_bwd")
 
 # GPU launch geometry per kernel (tokens per program BT, channel tiles BK / BD, the number of splits of K or of
 # the tokens SPLITS, warps, software-pipelining stages; STATES / PIECES: kernel_bwd) and the product modes; TUNE
@@ -80,6 +82,7 @@ GPU_CONFIG: dict[str, dict[str, int]] = {
     "pre_bwd": {"BT": 32, "BD": 256, "num_warps": 8, "STATES": 1},
     "dx": {"BT": 32, "BD": 64, "SPLITS": 8, "num_warps": 4, "num_stages": 3, "maxnreg": 128, "PIECES": 1,
            "PREFETCH": 1},
+    "dx_gluon": {"BT": 32, "BD": 64, "SPLITS": 8, "STAGES": 3, "num_warps": 4},
     "params": {"BLOCK": 1024, "BB": 64, "num_warps": 4},
     "combine_fwd": {"BT": 4, "BD": 512, "num_warps": 8},
     "combine_bwd": {"BT": 1, "VECS": 1, "num_warps": 4},
@@ -94,7 +97,9 @@ GEOMETRY_VARIANTS: tuple[dict[str, dict[str, int]], ...] = (
                           # register caps (``maxnreg``): 128 fits four programs per SM, 168 three; BT 64 puts G @ fn
                           # on warp-group MMAs too
                           {"maxnreg": 168}, {"maxnreg": 168, "PREFETCH": 0},
-                          {"BT": 64, "maxnreg": 168})),
+                          {"BT": 64, "maxnreg": 168},
+                          {})),  # {}: the Triton kernel at its defaults (a "dx" entry selects it)
+    *({"dx_gluon": c} for c in ({"STAGES": 2}, {"STAGES": 4}, {"SPLITS": 4}, {"SPLITS": 16})),
     *({"pre_bwd": c} for c in ({"STATES": 0}, {"BT": 8, "num_warps": 4}, {"BT": 16}, {"BT": 64},
                                {"num_warps": 4})),
     *({"combine_bwd": c} for c in ({"num_warps": 8}, {"BT": 2})),
@@ -104,6 +109,10 @@ GEOMETRY_VARIANTS: tuple[dict[str, dict[str, int]], ...] = (
 # "bf16x3", ~2^-16 relative, taken only where that gradient is rounded to bf16: fp32 streams get "tf32x3").
 PRODUCTS = {"dot": "bf16x3", "gx": "bf16x3"}
 TUNE: dict[str, Any] = {}  # e.g. {"proj": {"SPLITS": 4}, "dot": "tf32x3"}
+# The streams' gradient: "auto" runs the Gluon kernel (``kernel_dx_gluon.py``) where ``dx_gluon_fits`` says it can,
+# else the Triton one (``kernel_bwd._mhc_dx_bwd``); "triton" / "gluon" force one ("gluon" raises where it cannot).
+# Under "auto" a ``TUNE["dx"]`` entry (a geometry of the Triton kernel, the sweep's) selects the Triton kernel.
+DX_KERNEL = "auto"
 HOST_KEYS = ("SPLITS", "VECS", "PIECES")  # launch-geometry keys the host uses (not kernel meta-parameters)
 COMPILER_KEYS = ("num_warps", "num_stages", "maxnreg")  # what the interpreter has no use for
 
@@ -146,6 +155,32 @@ def _config(kind: str, n: int, d: int) -> dict[str, int]:
 
 def _meta(cfg: dict[str, int]) -> dict[str, int]:
     return {k: v for k, v in cfg.items() if k not in HOST_KEYS}
+
+
+def dx_gluon_fits(x: Any, d_y: Any, n: int, d: int, no: int, dot: int, gx: int) -> str | None:
+    """None when the Gluon streams' gradient can run this call, else why not: a Hopper GPU, bf16 streams with the
+    bf16-piece products, a mix width padded to 32 (n = 4), whole channel tiles and 16-byte aligned rows."""
+    cap = capability.detect()
+    if cap.interpreter or not cap.gpu or cap.sm is None or cap.sm[0] != 9:
+        return "not a Hopper GPU (sm90)"
+    if dtype_name(x) != "bfloat16" or dot != DOT_BF16X3 or gx != DOT_BF16X3_ROUNDED:
+        return "not bf16 streams with bf16-piece products"
+    if no != 32:
+        return f"mix width padded to {no} (needs 32: n = 4)"
+    if d % GPU_CONFIG["dx_gluon"]["BD"]:
+        return f"width {d} not a multiple of {GPU_CONFIG['dx_gluon']['BD']}"
+    if any(int(torch_view(v).data_ptr()) % 16 for v in (x, d_y)):
+        return "rows not 16-byte aligned (cp.async copies 16 bytes)"
+    return None
+
+
+def _use_gluon_dx(x: Any, d_y: Any, n: int, d: int, no: int, dot: int, gx: int) -> bool:
+    if DX_KERNEL == "triton" or (DX_KERNEL == "auto" and "dx" in TUNE):
+        return False
+    why_not = "the Triton interpreter" if is_interpreted() else dx_gluon_fits(x, d_y, n, d, no, dot, gx)
+    if DX_KERNEL == "gluon" and why_not is not None:
+        raise ValueError(f"mhc_pre (backward): DX_KERNEL = 'gluon' cannot run here: {why_not}")
+    return why_not is None
 
 
 def _split(total: int, splits: int, tile: int) -> tuple[int, int]:
@@ -251,13 +286,14 @@ def pre_backward(x: Any, fn_w: Any, base: Any, scale: Any, mix: Any, r: Any, d_p
     cfg = _config("pre_bwd", n, d)
     blocks = triton.cdiv(t, cfg["BT"])
     sums = empty_like(x, shape=[max(blocks, 1), 2, no], dtype=f32)
-    cfg_dx = _config("dx", n, d)
+    dot, gx = _products(x)
+    gluon_dx = _use_gluon_dx(x, d_y, n, d, no, dot, gx)
+    cfg_dx = _config("dx_gluon" if gluon_dx else "dx", n, d)
     per, splits = _split(t, cfg_dx["SPLITS"], cfg_dx["BT"]) if t > 0 else (1, 0)
     part = empty_like(x, shape=[max(splits, 1), no, n * d], dtype=f32)
-    dot, gx = _products(x)
     if t > 0:
         dz = empty_like(x, shape=[t, nout], dtype=f32)
-        pieces = dot == DOT_BF16X3 and gx in (DOT_BF16X6, DOT_BF16X3_ROUNDED) and bool(cfg_dx["PIECES"])
+        pieces = gluon_dx or (dot == DOT_BF16X3 and gx in (DOT_BF16X6, DOT_BF16X3_ROUNDED) and bool(cfg_dx["PIECES"]))
         g = empty_like(x, shape=[3, t, no]) if pieces else empty_like(x, shape=[t, no], dtype=f32)
         coef = empty_like(x, shape=[t], dtype=f32)
         pre = empty_like(x, shape=[t, p], dtype=f32)
@@ -269,12 +305,13 @@ def pre_backward(x: Any, fn_w: Any, base: Any, scale: Any, mix: Any, r: Any, d_p
             detached(d_y if head else d_post), detached(d_y if head else d_comb), detached(d_y), dz, g, coef, pre,
             sums, scratch, t, float(eps), **common, **_meta({**cfg, "STATES": states}), PIECES=pieces,
         )
-        launch(
-            _mhc_dx_bwd, (n * triton.cdiv(d, cfg_dx["BD"]), splits),
-            detached(x), detached(fn_w), g, pre, coef, detached(d_y), g_x, part, t, per,
-            N=n, P=p, D=d, NOUT=nout, NO=no, GX=gx, DOT=dot, DOWNCAST=dtype_name(x) != "float32", PIECES=pieces,
-            **_meta(cfg_dx),
-        )
+        dx_args = (detached(x), detached(fn_w), g, pre, coef, detached(d_y), g_x, part, t, per)
+        grid = (n * triton.cdiv(d, cfg_dx["BD"]), splits)
+        if gluon_dx:
+            launch(_mhc_dx_gluon, grid, *dx_args, N=n, P=p, D=d, NOUT=nout, NO=no, **_meta(cfg_dx))
+        else:
+            launch(_mhc_dx_bwd, grid, *dx_args, N=n, P=p, D=d, NOUT=nout, NO=no, GX=gx, DOT=dot,
+                   DOWNCAST=dtype_name(x) != "float32", PIECES=pieces, **_meta(cfg_dx))
     cfg = _config("params", n, d)
     launch(
         _mhc_params_bwd, (triton.cdiv(nout * n * d, cfg["BLOCK"]) + 1,),

@@ -1,0 +1,151 @@
+"""The streams' gradient of the mHC pre op on Hopper (Gluon): ``kernel_bwd._mhc_dx_bwd``'s maths, other layouts.
+
+Why a second kernel: the Triton one (ncu on the H200, ``benchmarks/RESULTS.md``, fused mHC) moves every token tile
+between layouts through shared memory (eight CTA barriers per tile: ``G @ fn`` runs as mma.sync in one layout,
+``x^T G`` as a warp-group MMA on a transposed copy of ``x``, the sum ``g_x`` in a third), keeps L1 80 % busy and
+spills three loop values at its 128-register cap. Here everything is computed transposed, channels as rows:
+
+- ``g_x^T = fn^T G^T`` and ``(x^T G)`` are both warp-group MMAs of M = BD channels that read their operands where
+  ``cp.async`` put them (``x`` and ``G``'s bf16 pieces) or where the program put ``fn``'s pieces once, transposed
+  views of shared memory, no copies;
+- the sum ``g_x^T = pre g_y^T + fn^T G^T + coef x^T`` is formed in the MMA result's own layout (``x`` and ``g_y``
+  read from shared memory in that layout), written transposed to shared memory and stored as 16-byte rows (stores
+  straight from the MMA layout are 2-byte scatters: that form was 1.2x slower on the H200);
+- two CTA barriers per tile (the ``cp.async`` ring, each stage refilled once every thread is done with it; the
+  staged output).
+
+H200, T 16384 x 4 x 4096 bf16: 410 us (70 % of copy) against the Triton kernel's 510 (56 %), the pre backward op
+1.16x (``benchmarks/RESULTS.md``).
+
+Products as the Triton kernel's with bf16 streams and ``G``'s pieces (``PIECES``): ``G @ fn`` the three largest
+bf16 products of both operands' pieces, smallest first, in a fresh accumulator (``DOT_BF16X3_ROUNDED``); ``x^T G``
+the three products with ``G``'s pieces, smallest first, fresh per tile and added to the running sum in fp32.
+Other MMA instruction shapes than the Triton kernel's: equal to rounding, not bitwise; deterministic (one order).
+Device code only, sm90; ``kernel.pre_backward`` chooses it (``kernel.DX_KERNEL``).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+
+@gluon.jit
+def _issue_tile(src, bufs, slot, t0, t_end, T, k, d, d_ok, K, D: gl.constexpr, NO: gl.constexpr, BT: gl.constexpr,
+                tile_l: gl.constexpr, g_l: gl.constexpr):
+    """``cp.async`` of one token tile: ``x`` [BT, BD] of this stream's channels, ``g_y`` [BT, BD], ``G``'s three
+    bf16 pieces [BT, NO] (rows past ``t_end`` zero-filled), into ring slot ``slot``; one commit group."""
+    x_ptr, dy_ptr, g_ptr = src
+    x_s, dy_s, g_hi_s, g_mid_s, g_lo_s = bufs
+    t = t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, tile_l))
+    m = (t < t_end)[:, None] & d_ok[None, :]
+    rows = t.to(gl.int64)[:, None]
+    async_copy.async_copy_global_to_shared(x_s.index(slot), x_ptr + rows * K + k[None, :], mask=m)
+    async_copy.async_copy_global_to_shared(dy_s.index(slot), dy_ptr + rows * D + d[None, :], mask=m)
+    tg = t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, g_l))
+    c = gl.arange(0, NO, layout=gl.SliceLayout(0, g_l))
+    mg = (tg < t_end)[:, None]
+    g_rows = g_ptr + tg.to(gl.int64)[:, None] * NO + c[None, :]
+    async_copy.async_copy_global_to_shared(g_hi_s.index(slot), g_rows, mask=mg)
+    async_copy.async_copy_global_to_shared(g_mid_s.index(slot), g_rows + T * NO, mask=mg)
+    async_copy.async_copy_global_to_shared(g_lo_s.index(slot), g_rows + 2 * T * NO, mask=mg)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _mhc_dx_gluon(
+    x_ptr, fn_ptr, g_ptr, pre_ptr, coef_ptr, dy_ptr, dx_ptr, part_ptr, T, TS,
+    N: gl.constexpr, P: gl.constexpr, D: gl.constexpr, NOUT: gl.constexpr, NO: gl.constexpr, BT: gl.constexpr,
+    BD: gl.constexpr, STAGES: gl.constexpr,
+):
+    """Program (i, s): channels ``[b BD, (b + 1) BD)`` of stream ``j`` (``i = b N + j``) over the tokens
+    ``[s TS, (s + 1) TS)``: ``g_x`` for them and ``part[s] = G^T x`` (``_mhc_params_bwd`` adds the splits)."""
+    K: gl.constexpr = N * D
+    dtype: gl.constexpr = x_ptr.dtype.element_ty
+    split = gl.program_id(1)
+    j = gl.program_id(0) % N
+    d0 = (gl.program_id(0) // N) * BD
+    t_start = split * TS
+    t_end = gl.minimum(t_start + TS, T)
+
+    gx_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16])
+    xg_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NO, 16])
+    tile_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BD, BD // 8], [4, 1], [1, 0])  # 16 B per copy
+    g_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // NO, NO // 8], [4, 1], [1, 0])
+    w_l: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // BD, BD // 4], [4, 1], [1, 0])
+    x_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, BD], dtype)
+    g_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, NO], dtype)
+    w_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NO, BD], dtype)
+    x_s = gl.allocate_shared_memory(dtype, [STAGES, BT, BD], x_sl)
+    dy_s = gl.allocate_shared_memory(dtype, [STAGES, BT, BD], x_sl)
+    g_hi_s = gl.allocate_shared_memory(dtype, [STAGES, BT, NO], g_sl)
+    g_mid_s = gl.allocate_shared_memory(dtype, [STAGES, BT, NO], g_sl)
+    g_lo_s = gl.allocate_shared_memory(dtype, [STAGES, BT, NO], g_sl)
+    w_s = gl.allocate_shared_memory(dtype, [2, NO, BD], w_sl)
+    dx_s = gl.allocate_shared_memory(dtype, [BT, BD], x_sl)  # g_x^T written transposed, read row-major
+    src = (x_ptr, dy_ptr, g_ptr)
+    bufs = (x_s, dy_s, g_hi_s, g_mid_s, g_lo_s)
+
+    d = d0 + gl.arange(0, BD, layout=gl.SliceLayout(0, tile_l))
+    d_ok = d < D
+    k = j * D + d
+    n_tiles = gl.cdiv(t_end - t_start, BT)
+    for p in gl.static_range(STAGES - 1):  # the ring's first tiles in flight while fn's pieces are made
+        _issue_tile(src, bufs, p, t_start + p * BT, t_end, T, k, d, d_ok, K, D, NO, BT, tile_l, g_l)
+
+    c_w = gl.arange(0, NO, layout=gl.SliceLayout(1, w_l))
+    d_w = d0 + gl.arange(0, BD, layout=gl.SliceLayout(0, w_l))
+    w = gl.load(fn_ptr + c_w[:, None] * K + (j * D + d_w)[None, :], mask=(c_w < NOUT)[:, None] & (d_w < D)[None, :],
+                other=0.0)
+    w_hi = w.to(dtype)
+    w_s.index(0).store(w_hi)
+    w_s.index(1).store((w - w_hi.to(gl.float32)).to(dtype))  # the middle piece; G @ fn never uses the lowest
+    w_hi_t = w_s.index(0).permute((1, 0))  # [BD, NO]: fn^T, the A operand of G @ fn transposed
+    w_mid_t = w_s.index(1).permute((1, 0))
+
+    cols = gl.arange(0, BT, layout=gl.SliceLayout(0, gx_l))  # a tile's tokens, the columns of g_x^T
+    acc = gl.zeros([BD, NO], gl.float32, xg_l)
+    t_rows = gl.arange(0, BT, layout=gl.SliceLayout(1, tile_l))
+    for i in range(n_tiles):
+        slot = i % STAGES
+        t = t_start + i * BT + cols
+        t_ok = t < t_end
+        pre = gl.load(pre_ptr + t * P + j, mask=t_ok, other=0.0)
+        coef = gl.load(coef_ptr + t, mask=t_ok, other=0.0)
+        async_copy.wait_group(STAGES - 2)  # this thread's copies of tile i have landed
+        fence_async_shared()  # ... and are visible to the MMAs (so are fn's pieces, stored before the loop)
+        gl.thread_barrier()  # everyone's are, and everyone is done with tile i - 1's slot
+        _issue_tile(src, bufs, (i + STAGES - 1) % STAGES, t_start + (i + STAGES - 1) * BT, t_end, T, k, d, d_ok, K,
+                    D, NO, BT, tile_l, g_l)
+        g_hi = g_hi_s.index(slot)
+        g_mid = g_mid_s.index(slot)
+        g_lo = g_lo_s.index(slot)
+        x_t = x_s.index(slot).permute((1, 0))  # [BD, BT]
+        # g_x^T = fn^T G^T from the pieces, smallest first (G_mid fn_hi, G_hi fn_mid, G_hi fn_hi)
+        gx = warpgroup_mma(w_hi_t, g_mid.permute((1, 0)), gl.zeros([BD, BT], gl.float32, gx_l), use_acc=False,
+                           is_async=True)
+        gx = warpgroup_mma(w_mid_t, g_hi.permute((1, 0)), gx, is_async=True)
+        gx = warpgroup_mma(w_hi_t, g_hi.permute((1, 0)), gx, is_async=True)
+        # x^T G from G's pieces, smallest first, fresh for this tile
+        xg = warpgroup_mma(x_t, g_lo, gl.zeros([BD, NO], gl.float32, xg_l), use_acc=False, is_async=True)
+        xg = warpgroup_mma(x_t, g_mid, xg, is_async=True)
+        xg = warpgroup_mma(x_t, g_hi, xg, is_async=True)
+        xv = x_t.load(gx_l).to(gl.float32)
+        dyv = dy_s.index(slot).permute((1, 0)).load(gx_l).to(gl.float32)
+        gx = warpgroup_mma_wait(num_outstanding=3, deps=(gx,))
+        dx = (pre[None, :] * dyv + gx + coef[None, :] * xv).to(dx_ptr.dtype.element_ty)
+        # out through shared memory: 16-byte row stores (2-byte ones straight from the MMA layout: 1.2x slower)
+        dx_s.permute((1, 0)).store(dx)
+        gl.thread_barrier()
+        rows_t = (t_start + i * BT + t_rows).to(gl.int64)
+        m = (rows_t < t_end)[:, None] & d_ok[None, :]
+        gl.store(dx_ptr + rows_t[:, None] * K + k[None, :], dx_s.load(tile_l), mask=m)
+        xg = warpgroup_mma_wait(num_outstanding=0, deps=(xg,))
+        acc += xg
+    async_copy.wait_group(0)
+    c = gl.arange(0, NO, layout=gl.SliceLayout(0, xg_l))
+    ch = d0 + gl.arange(0, BD, layout=gl.SliceLayout(1, xg_l))
+    part = part_ptr + (split.to(gl.int64) * NO + c[None, :]) * K + (j * D + ch)[:, None]
+    gl.store(part, acc, mask=(ch < D)[:, None])
