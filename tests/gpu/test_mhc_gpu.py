@@ -85,10 +85,11 @@ PRE_KERNELS = ("_mhc_proj_fwd", "_mhc_pre_fwd")
 def pre_bwd_kernels(kernel, x, head=False) -> tuple[str, ...]:
     """The pre backward's three launches for streams ``x``: the streams' gradient in Gluon where the contract says
     (``kernel.DX_KERNEL`` "gluon", or "auto" with no Triton geometry in ``TUNE``, for bf16 streams of 4 x a multiple
-    of 64 channels under the default bf16 products, not the head), else in Triton."""
+    of its channel tile under the default bf16 products, not the head), else in Triton."""
     _, n, d = x.shape
     products = kernel.TUNE.get("dot", "bf16x3") == "bf16x3" and kernel.TUNE.get("gx", "bf16x3") == "bf16x3"
-    fits = x.dtype == torch.bfloat16 and n == 4 and d % 64 == 0 and products and not head
+    tile = {**kernel.GPU_CONFIG["dx_gluon"], **kernel.TUNE.get("dx_gluon", {})}["BD"]
+    fits = x.dtype == torch.bfloat16 and n == 4 and d % tile == 0 and products and not head
     gluon = kernel.DX_KERNEL == "gluon" or (kernel.DX_KERNEL == "auto" and "dx" not in kernel.TUNE and fits)
     return ("_mhc_pre_bwd", "_mhc_dx_gluon" if gluon else "_mhc_dx_bwd", "_mhc_params_bwd")
 

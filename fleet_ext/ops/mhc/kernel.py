@@ -73,7 +73,8 @@ KERNELS = ("_mhc_proj_fwd", "_mhc_pre_fwd", "_mhc_combine_fwd", "_mhc_pre_bwd", 
 # (8, 256, 4 warps), 985 with (32, 256, 8 warps); then 852 with dx on G's pre-split pieces (PIECES; 1037 without),
 # dx's other geometries 864-1394, pre_bwd's 870-947 (STATES 0, the recomputed Sinkhorn states: 947); run 6: dx BT
 # 32, 4 stages, at most 128 registers (43 KB of shared memory: four programs per SM, not three) 851 -> 803 us; run 7:
-# dx PREFETCH (g_y a tile ahead) with 3 stages 826 -> 778 (with 4 stages it spills: 1008). Combine
+# dx PREFETCH (g_y a tile ahead) with 3 stages 826 -> 778 (with 4 stages it spills: 1008); run 8: the Gluon dx
+# (``dx_gluon``, Hopper, bf16, n = 4) 777 -> 684, its 2 / 4 stages 689 / 707, 128 channels on 8 warps 704. Combine
 # backward: 449 us at one token and 4 warps per program, its variants 452-497; its BD is a multiple of
 # 32 x num_warps x the 16-byte vector, which its layout needs (``kernel_bwd._mhc_combine_bwd``).
 GPU_CONFIG: dict[str, dict[str, int]] = {
@@ -99,7 +100,8 @@ GEOMETRY_VARIANTS: tuple[dict[str, dict[str, int]], ...] = (
                           {"maxnreg": 168}, {"maxnreg": 168, "PREFETCH": 0},
                           {"BT": 64, "maxnreg": 168},
                           {})),  # {}: the Triton kernel at its defaults (a "dx" entry selects it)
-    *({"dx_gluon": c} for c in ({"STAGES": 2}, {"STAGES": 4}, {"SPLITS": 4}, {"SPLITS": 16})),
+    *({"dx_gluon": c} for c in ({"STAGES": 2}, {"STAGES": 4}, {"SPLITS": 4}, {"SPLITS": 16},
+                                {"BD": 128, "num_warps": 8}, {"BD": 128, "num_warps": 8, "STAGES": 2})),
     *({"pre_bwd": c} for c in ({"STATES": 0}, {"BT": 8, "num_warps": 4}, {"BT": 16}, {"BT": 64},
                                {"num_warps": 4})),
     *({"combine_bwd": c} for c in ({"num_warps": 8}, {"BT": 2})),
@@ -157,7 +159,7 @@ def _meta(cfg: dict[str, int]) -> dict[str, int]:
     return {k: v for k, v in cfg.items() if k not in HOST_KEYS}
 
 
-def dx_gluon_fits(x: Any, d_y: Any, n: int, d: int, no: int, dot: int, gx: int) -> str | None:
+def dx_gluon_fits(x: Any, d_y: Any, n: int, d: int, no: int, dot: int, gx: int, bd: int) -> str | None:
     """None when the Gluon streams' gradient can run this call, else why not: a Hopper GPU, bf16 streams with the
     bf16-piece products, a mix width padded to 32 (n = 4), whole channel tiles and 16-byte aligned rows."""
     cap = capability.detect()
@@ -167,8 +169,8 @@ def dx_gluon_fits(x: Any, d_y: Any, n: int, d: int, no: int, dot: int, gx: int) 
         return "not bf16 streams with bf16-piece products"
     if no != 32:
         return f"mix width padded to {no} (needs 32: n = 4)"
-    if d % GPU_CONFIG["dx_gluon"]["BD"]:
-        return f"width {d} not a multiple of {GPU_CONFIG['dx_gluon']['BD']}"
+    if d % bd:
+        return f"width {d} not a multiple of the channel tile {bd}"
     if any(int(torch_view(v).data_ptr()) % 16 for v in (x, d_y)):
         return "rows not 16-byte aligned (cp.async copies 16 bytes)"
     return None
@@ -177,7 +179,8 @@ def dx_gluon_fits(x: Any, d_y: Any, n: int, d: int, no: int, dot: int, gx: int) 
 def _use_gluon_dx(x: Any, d_y: Any, n: int, d: int, no: int, dot: int, gx: int) -> bool:
     if DX_KERNEL == "triton" or (DX_KERNEL == "auto" and "dx" in TUNE):
         return False
-    why_not = "the Triton interpreter" if is_interpreted() else dx_gluon_fits(x, d_y, n, d, no, dot, gx)
+    why_not = ("the Triton interpreter" if is_interpreted()
+               else dx_gluon_fits(x, d_y, n, d, no, dot, gx, _config("dx_gluon", n, d)["BD"]))
     if DX_KERNEL == "gluon" and why_not is not None:
         raise ValueError(f"mhc_pre (backward): DX_KERNEL = 'gluon' cannot run here: {why_not}")
     return why_not is None

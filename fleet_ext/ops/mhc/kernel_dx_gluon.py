@@ -70,11 +70,14 @@ def _mhc_dx_gluon(
     t_start = split * TS
     t_end = gl.minimum(t_start + TS, T)
 
-    gx_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16])
-    xg_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NO, 16])
-    tile_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BD, BD // 8], [4, 1], [1, 0])  # 16 B per copy
-    g_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // NO, NO // 8], [4, 1], [1, 0])
-    w_l: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // BD, BD // 4], [4, 1], [1, 0])
+    W: gl.constexpr = gl.num_warps()  # BD = 16 W: one 16-row slice of the MMAs per warp (64 per warpgroup)
+    gl.static_assert(BD == 16 * W, "BD must be 16 x num_warps")
+    gx_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BT, 16])
+    xg_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, NO, 16])
+    tile_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BD, BD // 8], [W, 1], [1, 0])  # 16 B per copy
+    VG: gl.constexpr = 8 if BT * NO >= 256 * W else BT * NO // (32 * W)  # G's tile once over all threads
+    g_l: gl.constexpr = gl.BlockedLayout([1, VG], [32 * VG // NO, NO // VG], [W, 1], [1, 0])
+    w_l: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // BD, BD // 4], [W, 1], [1, 0])
     x_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, BD], dtype)
     g_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, NO], dtype)
     w_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NO, BD], dtype)
