@@ -360,8 +360,8 @@ FUSIONS: dict[str, Fusion] = {
             switch="use_fused_mhc",
             summary="mHC: the projection + RMS statistics split over K (one pass over the streams), then gates + "
             "Sinkhorn + pre collapse (the head: without Sinkhorn); the post/comb combine in one kernel; backward: "
-            "gate gradients, the streams' gradient with the parameter gradient's split sums, the splits added in a "
-            "fixed order (no atomics)",
+            "gate gradients, the streams' gradient with the parameter gradient's split sums (on Hopper with bf16 "
+            "streams a Gluon kernel, both products as warp-group MMAs), the splits added in a fixed order (no atomics)",
             fused="fleet_ext.ops.mhc.function:mhc_pre",  # its module's `mhc_head` and `mhc_combine` come with it
             reference="fleet_ext.ops.mhc.reference:mhc_pre",
             recompute_safe=_yes(_MHC_TESTS + "test_tiny_model_under_recompute_is_bitwise_equal_to_no_recompute"),
