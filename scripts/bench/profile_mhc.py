@@ -47,7 +47,7 @@ def drive(kind: str) -> None:
 
     from fleet_ext.ops.mhc import kernel
 
-    kernel.DX_KERNEL = kind
+    kernel.GLUON = kind
     a = bench_mhc._inputs()
     for _ in range(2):
         bench_mhc._fused_pre_step(a)

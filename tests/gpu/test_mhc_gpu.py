@@ -79,26 +79,41 @@ def check(got, want, dtype, what, gain=False):
     assert_close(got, want, table, "mhc_fused_gain" if gain else "mhc_fused", what=f"{NAMES[dtype]} {what}")
 
 
-PRE_KERNELS = ("_mhc_proj_fwd", "_mhc_pre_fwd")
+def _gluon_runs(kernel, x, kind: str, head: bool) -> bool:
+    """The contract of ``kernel.GLUON``: "gluon", or "auto" with no Triton geometry for ``kind`` in ``TUNE``, for
+    bf16 streams of n = 4 (not the head: its mix width pads to 8), whole tiles, the default bf16-piece products."""
+    _, n, d = x.shape
+    products = kernel.TUNE.get("dot", "bf16x3") == "bf16x3" and (kind == "proj" or
+                                                                  kernel.TUNE.get("gx", "bf16x3") == "bf16x3")
+    cfg = {**kernel.GPU_CONFIG[f"{kind}_gluon"], **kernel.TUNE.get(f"{kind}_gluon", {})}
+    whole = (n * d) % cfg["BK"] == 0 if kind == "proj" else d % cfg["BD"] == 0
+    fits = x.dtype == torch.bfloat16 and n == 4 and whole and products and not head
+    return kernel.GLUON == "gluon" or (kernel.GLUON == "auto" and kind not in kernel.TUNE and fits)
+
+
+def pre_fwd_kernels(kernel, x, head=False) -> tuple[str, ...]:
+    """The pre forward's launches: fn's pieces and the Gluon projection, or the Triton one; then the collapse."""
+    if _gluon_runs(kernel, x, "proj", head):
+        return ("_mhc_fn_pieces", "_mhc_proj_gluon", "_mhc_pre_fwd")
+    return ("_mhc_proj_fwd", "_mhc_pre_fwd")
 
 
 def pre_bwd_kernels(kernel, x, head=False) -> tuple[str, ...]:
-    """The pre backward's three launches for streams ``x``: the streams' gradient in Gluon where the contract says
-    (``kernel.DX_KERNEL`` "gluon", or "auto" with no Triton geometry in ``TUNE``, for bf16 streams of 4 x a multiple
-    of its channel tile under the default bf16 products, not the head), else in Triton."""
-    _, n, d = x.shape
-    products = kernel.TUNE.get("dot", "bf16x3") == "bf16x3" and kernel.TUNE.get("gx", "bf16x3") == "bf16x3"
-    tile = {**kernel.GPU_CONFIG["dx_gluon"], **kernel.TUNE.get("dx_gluon", {})}["BD"]
-    fits = x.dtype == torch.bfloat16 and n == 4 and d % tile == 0 and products and not head
-    gluon = kernel.DX_KERNEL == "gluon" or (kernel.DX_KERNEL == "auto" and "dx" not in kernel.TUNE and fits)
-    return ("_mhc_pre_bwd", "_mhc_dx_gluon" if gluon else "_mhc_dx_bwd", "_mhc_params_bwd")
+    """The pre backward's three launches: the streams' gradient in Gluon or in Triton (``_gluon_runs``)."""
+    dx = "_mhc_dx_gluon" if _gluon_runs(kernel, x, "dx", head) else "_mhc_dx_bwd"
+    return ("_mhc_pre_bwd", dx, "_mhc_params_bwd")
 
 
 def _forward(kernel, a):
-    post, comb, y, _, _ = kernel.pre_forward(a["x"], a["fn"], a["base"], a["scale"], ITERS, EPS, NORM_EPS)
-    _, _, head, _, _ = kernel.pre_forward(a["x"], a["head_fn"], a["head_base"], a["head_scale"], ITERS, EPS,
-                                          NORM_EPS, head=True)
-    return post, comb, y, head, kernel.combine_forward(a["x"], a["f"], post, comb)
+    """The pre op, the head and the combine, each with its launch counters."""
+    with expect_launches(*pre_fwd_kernels(kernel, a["x"]), exactly=1):
+        post, comb, y, _, _ = kernel.pre_forward(a["x"], a["fn"], a["base"], a["scale"], ITERS, EPS, NORM_EPS)
+    with expect_launches(*pre_fwd_kernels(kernel, a["x"], head=True), exactly=1):
+        _, _, head, _, _ = kernel.pre_forward(a["x"], a["head_fn"], a["head_base"], a["head_scale"], ITERS, EPS,
+                                              NORM_EPS, head=True)
+    with expect_launches("_mhc_combine_fwd", exactly=1):
+        out = kernel.combine_forward(a["x"], a["f"], post, comb)
+    return post, comb, y, head, out
 
 
 def _oracle_forward(a, post, comb):
@@ -123,8 +138,7 @@ def _eager_combine_scale(a, post, comb):
 @pytest.mark.parametrize("tokens, n, d", [(1024, 4, 4096), (77, 4, 100), (33, 3, 64), (5, 1, 16)])
 def test_forward_vs_float64_oracle_and_eager(kernel, tokens, n, d, dtype):
     a = make(tokens, n, d, dtype, seed=tokens + n + d)
-    with expect_launches(*PRE_KERNELS, exactly=2), expect_launches("_mhc_combine_fwd", exactly=1):
-        post, comb, y, head, out = _forward(kernel, a)
+    post, comb, y, head, out = _forward(kernel, a)
     want = _oracle_forward(a, post, comb)
     for what, got in (("post", post), ("comb", comb), ("collapsed", y), ("head", head), ("combine", out)):
         assert got.dtype == (torch.float32 if what in ("post", "comb") else dtype), what
@@ -150,7 +164,7 @@ def test_planted_bugs_fail_the_bounds(kernel):
     (as the tensor cores' accumulation of bf16x3 products gave) fails the fp32 entry on comb; the mixing matrix
     transposed fails the bf16 entry on the fused combine and the eager bound on eager's."""
     a = make(256, 4, 4096, torch.bfloat16, seed=5)
-    with expect_launches(*PRE_KERNELS, exactly=1):
+    with expect_launches(*pre_fwd_kernels(kernel, a["x"]), exactly=1):
         post, comb, _, _, _ = kernel.pre_forward(a["x"], a["fn"] * (1 - 1e-4), a["base"], a["scale"], ITERS, EPS,
                                                  NORM_EPS)
     want = _oracle_forward(a, post, comb)
@@ -215,7 +229,7 @@ def _assert_pre_op_matches_float64(kernel, a, label: str) -> None:
     """The pre op forward and backward (bf16 streams) under the current ``kernel.TUNE`` vs torch float64 autograd:
     its outputs, its streams gradient (rounded to bf16 once: alone, without the head's) and the parameter
     gradients, the fused entries."""
-    with expect_launches(*PRE_KERNELS, *pre_bwd_kernels(kernel, a["x"]), exactly=1):
+    with expect_launches(*pre_fwd_kernels(kernel, a["x"]), *pre_bwd_kernels(kernel, a["x"]), exactly=1):
         post, comb, y, mix, r = kernel.pre_forward(a["x"], a["fn"], a["base"], a["scale"], ITERS, EPS, NORM_EPS)
         g_x, g_fn, g_base, g_scale = kernel.pre_backward(a["x"], a["fn"], a["base"], a["scale"], mix, r, a["g_post"],
                                                          a["g_comb"], a["g_y"], ITERS, EPS)
@@ -237,30 +251,35 @@ def test_product_modes_in_bf16(kernel, monkeypatch, dot, gx):
 
 
 @pytest.mark.parametrize("tokens, d", [(256, 4096), (1000, 128), (77, 64)])
-def test_gluon_streams_gradient_matches_triton_and_float64(kernel, monkeypatch, tokens, d):
-    """The streams' gradient from the Gluon kernel and from the Triton one (each forced), same inputs (token tails
-    within a split and across splits, one or several channel tiles): each within the fused entries of float64
-    autograd, with launch counters; ``g_x`` within one bf16 rounding of each other per element (the fp32 sums differ
-    in MMA order only; plus 1e-5 of the largest entry where a sum cancels), ``g_fn`` within 1e-5 of its largest
-    entry. A 3 % error in either fails that comparison."""
+def test_gluon_kernels_match_triton_and_float64(kernel, monkeypatch, tokens, d):
+    """The projection and the streams' gradient from the Gluon kernels and from the Triton ones (``GLUON`` forced
+    each way), same inputs (token tails within a split and across splits, one or several channel tiles, K split):
+    each within the fused entries of float64 autograd, with launch counters; and against each other: the
+    projection's outputs ``mix`` and ``r`` within 1e-5 / 1e-6 of their largest entries, ``g_x`` within one bf16
+    rounding per element (the fp32 sums differ in MMA order only; plus 1e-5 of the largest entry where a sum
+    cancels), ``g_fn`` within 1e-5 of its largest entry. A 3 % error in any of them fails that comparison."""
     a = make(tokens, 4, d, torch.bfloat16, seed=5 + tokens)
-    grads = {}
+    runs = {}
     for which in ("gluon", "triton"):
-        monkeypatch.setattr(kernel, "DX_KERNEL", which)
-        _assert_pre_op_matches_float64(kernel, a, f"dx {which}")
+        monkeypatch.setattr(kernel, "GLUON", which)
+        _assert_pre_op_matches_float64(kernel, a, f"GLUON {which}")
         _, _, _, mix, r = kernel.pre_forward(a["x"], a["fn"], a["base"], a["scale"], ITERS, EPS, NORM_EPS)
-        grads[which] = kernel.pre_backward(a["x"], a["fn"], a["base"], a["scale"], mix, r, a["g_post"],
-                                           a["g_comb"], a["g_y"], ITERS, EPS)[:2]
-    (gx_g, fn_g), (gx_t, fn_t) = grads["gluon"], grads["triton"]
+        runs[which] = (mix, r, *kernel.pre_backward(a["x"], a["fn"], a["base"], a["scale"], mix, r, a["g_post"],
+                                                    a["g_comb"], a["g_y"], ITERS, EPS)[:2])
 
-    def agree(g_x, g_fn) -> bool:
-        want = gx_t.float()
-        floor = 1e-5 * want.abs().max()  # sums that cancel: the fp32 difference against the terms, not the sum
-        one_rounding = bool(((g_x.float() - want).abs() <= 2 ** -7 * want.abs() + floor).all())
-        return one_rounding and float((g_fn - fn_t).abs().max()) <= 1e-5 * float(fn_t.abs().max())
+    def agree(got) -> bool:
+        mix, r, g_x, g_fn = got
+        w_mix, w_r, w_x, w_fn = (v.float() for v in runs["triton"])
+        floor = 1e-5 * w_x.abs().max()  # sums that cancel: the fp32 difference against the terms, not the sum
+        return (bool(((g_x.float() - w_x).abs() <= 2 ** -7 * w_x.abs() + floor).all())
+                and all(float((v - w).abs().max()) <= bound * float(w.abs().max())
+                        for v, w, bound in ((mix, w_mix, 1e-5), (r, w_r, 1e-6), (g_fn, w_fn, 1e-5))))
 
-    assert agree(gx_g, fn_g), "Gluon and Triton streams' gradients differ by more than one rounding"
-    assert not agree(gx_g * 1.03, fn_g) and not agree(gx_g, fn_g * 1.03), "the comparison misses a 3 % error"
+    assert agree(runs["gluon"]), "the Gluon and the Triton kernels differ by more than their roundings"
+    for i in range(4):  # negative controls: each output off by 3 %
+        planted = list(runs["gluon"])
+        planted[i] = planted[i] * 1.03
+        assert not agree(planted), f"the comparison misses a 3 % error in output {i}"
 
 
 def _variant_id(variant: dict) -> str:
@@ -295,8 +314,8 @@ def _step(kernel, a) -> tuple:
 
 
 def _assert_deterministic(kernel, a, runs: int, what: str) -> tuple:
-    with expect_launches(*PRE_KERNELS, *pre_bwd_kernels(kernel, a["x"]), "_mhc_combine_fwd", "_mhc_combine_bwd",
-                         exactly=1):
+    with expect_launches(*pre_fwd_kernels(kernel, a["x"]), *pre_bwd_kernels(kernel, a["x"]), "_mhc_combine_fwd",
+                         "_mhc_combine_bwd", exactly=1):
         first = _step(kernel, a)
     for _ in range(runs - 1):
         for i, (got, want) in enumerate(zip(_step(kernel, a), first)):

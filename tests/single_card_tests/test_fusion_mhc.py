@@ -191,12 +191,12 @@ def test_bad_inputs_raise_naming_the_tensor():
                           1e-6, 1e-6)
 
 
-def test_forcing_the_gluon_streams_gradient_where_it_cannot_run_raises(monkeypatch):
-    """``kernel.DX_KERNEL = "gluon"`` (Hopper only, ``kernel_dx_gluon.py``) raises naming why it cannot run here;
-    "auto" falls back to the Triton kernel (the launch counts of the tests above)."""
+def test_forcing_the_gluon_kernels_where_they_cannot_run_raises(monkeypatch):
+    """``kernel.GLUON = "gluon"`` (Hopper only: ``kernel_proj_gluon.py``, ``kernel_dx_gluon.py``) raises naming why
+    it cannot run here; "auto" falls back to the Triton kernels (the launch counts of the tests above)."""
     arrays, cot = _inputs(1, 5, 4, 32, seed=3)
-    monkeypatch.setattr(kernel, "DX_KERNEL", "gluon")
-    with pytest.raises(Exception, match=r"DX_KERNEL = 'gluon' cannot run here: the Triton interpreter"):
+    monkeypatch.setattr(kernel, "GLUON", "gluon")
+    with pytest.raises(ValueError, match=r"mhc_pre: GLUON = 'gluon' cannot run here: the Triton interpreter"):
         _run(function, arrays, cot, 20, 1e-6)
 
 

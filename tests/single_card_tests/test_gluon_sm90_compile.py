@@ -1,13 +1,13 @@
 """The Gluon kernels compiled for sm90 on the CPU, without a GPU: the warp-specialised sparse-attention forward
 (``sparse_attn/kernel_fwd_ws.py``) and backward dq step (``kernel_bwd_dq_ws.py``), the grouped gate+up GEMM
 and expert weight gradient (``moe_experts/kernel_gate_up_ws.py``, ``kernel_d_weight_ws.py``) and the mHC
-streams' gradient (``mhc/kernel_dx_gluon.py``).
+projection and streams' gradient (``mhc/kernel_proj_gluon.py``, ``kernel_dx_gluon.py``).
 
 They run only on Hopper (their results are tested on the H200 by ``tests/gpu/test_sparse_attn_gpu.py``,
 ``tests/gpu/test_moe_experts_gpu.py`` and ``tests/gpu/test_mhc_gpu.py``), but two properties that decide their
 speed are visible in the compiler's output and are checked here, in CI, at their launch defaults (attention:
 ``kernel_config``'s, sparse and dense causal, tail 64 and 0; gate+up: ``kernel.WS_GATE_UP``, ping-pong and
-cooperative; ``kernel_bwd.WS_D_WEIGHT``; mHC: ``GPU_CONFIG["dx_gluon"]``):
+cooperative; ``kernel_bwd.WS_D_WEIGHT``; mHC: ``GPU_CONFIG["proj_gluon"]`` / ``["dx_gluon"]``):
 
 - ptxas does not serialise the wgmma instructions (its performance warning C7515: a wait after every HGMMA). It
   does so when an async wgmma result is carried around a loop next to registers written by other instructions; a
@@ -46,6 +46,7 @@ if __name__ == "__main__":  # the compiling subprocess: kernels built for sm90, 
 
 from fleet_ext.ops.mhc import kernel as mhc_kernel  # noqa: E402
 from fleet_ext.ops.mhc.kernel_dx_gluon import _mhc_dx_gluon  # noqa: E402
+from fleet_ext.ops.mhc.kernel_proj_gluon import _mhc_proj_gluon  # noqa: E402
 from fleet_ext.ops.moe_experts import kernel as moe_kernel  # noqa: E402
 from fleet_ext.ops.moe_experts import kernel_bwd as moe_kernel_bwd  # noqa: E402
 from fleet_ext.ops.moe_experts.kernel_d_weight_ws import _d_weight_ws_kernel  # noqa: E402
@@ -130,6 +131,16 @@ def compile_d_weight_ws():
     return compile_sm90(_d_weight_ws_kernel, signature, constexprs, ("counts_ptr", "M", "NN"), num_warps=4)
 
 
+def compile_mhc_proj():
+    """The mHC projection at ``kernel.GPU_CONFIG["proj_gluon"]``, V4-Flash's widths (K = 4 x 4096, bf16)."""
+    cfg = {k: v for k, v in mhc_kernel.GPU_CONFIG["proj_gluon"].items() if k not in mhc_kernel.HOST_KEYS}
+    options = {"num_warps": cfg.pop("num_warps")}
+    pointers = {"x_ptr": "*bf16", "p_ptr": "*bf16", "part_ptr": "*fp32"}
+    constexprs = {"N": 4, "D": 4096, "NOUT": 24, "NO": 32, **cfg}
+    signature = {**pointers, "T": "i32", "KS": "i32", **{k: "constexpr" for k in constexprs}}
+    return compile_sm90(_mhc_proj_gluon, signature, constexprs, (*pointers, "T", "KS"), **options)
+
+
 def compile_mhc_dx():
     """The mHC streams' gradient at ``kernel.GPU_CONFIG["dx_gluon"]``, V4-Flash's widths (4 streams of 4096, bf16)."""
     cfg = {k: v for k, v in mhc_kernel.GPU_CONFIG["dx_gluon"].items() if k not in mhc_kernel.HOST_KEYS}
@@ -190,9 +201,11 @@ def test_dq_defaults_compile_without_wgmma_serialisation(mode, tail, tmp_path):
     check_compiled(f"{mode}-{tail}", tmp_path, max_spill=16)
 
 
-def test_mhc_dx_compiles_without_wgmma_serialisation_or_spills(tmp_path):
-    """The mHC streams' gradient (``mhc/kernel_dx_gluon.py``): its six MMAs a tile, all waited in the tile."""
-    check_compiled("mhc_dx", tmp_path, max_spill=0, min_markers=2)
+@pytest.mark.parametrize("case", ["mhc_proj", "mhc_dx"])
+def test_mhc_kernels_compile_without_wgmma_serialisation_or_spills(case, tmp_path):
+    """The mHC projection and streams' gradient (``mhc/kernel_proj_gluon.py``, ``kernel_dx_gluon.py``): their MMAs
+    all waited in the step or tile that issues them."""
+    check_compiled(case, tmp_path, max_spill=0, min_markers=2)
 
 
 @pytest.mark.parametrize("case", ["gate_up-0", "gate_up-1", "d_weight"],
@@ -241,6 +254,8 @@ if __name__ == "__main__":  # the subprocess of ``compiled_in_subprocess``: <cas
         kernel = compile_d_weight_ws()
     elif case == "mhc_dx":
         kernel = compile_mhc_dx()
+    elif case == "mhc_proj":
+        kernel = compile_mhc_proj()
     elif case.startswith("dq"):
         kernel = compile_ws_dq(int(case.split("-")[1]), dense=case.startswith("dqdense"))
     elif case.startswith("gate_up-"):

@@ -57,13 +57,15 @@ from fleet_ext.ops.mhc.kernel_fwd import (
     DOT_IEEE,
     DOT_TF32X3,
     _mhc_combine_fwd,
+    _mhc_fn_pieces,
     _mhc_pre_fwd,
     _mhc_proj_fwd,
 )
+from fleet_ext.ops.mhc.kernel_proj_gluon import _mhc_proj_gluon
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
-KERNELS = ("_mhc_proj_fwd", "_mhc_pre_fwd", "_mhc_combine_fwd", "_mhc_pre_bwd", "_mhc_dx_bwd", "_mhc_dx_gluon",
-           "_mhc_params_bwd", "_mhc_combine_bwd")
+KERNELS = ("_mhc_proj_fwd", "_mhc_fn_pieces", "_mhc_proj_gluon", "_mhc_pre_fwd", "_mhc_combine_fwd", "_mhc_pre_bwd",
+           "_mhc_dx_bwd", "_mhc_dx_gluon", "_mhc_params_bwd", "_mhc_combine_bwd")
 
 # GPU launch geometry per kernel (tokens per program BT, channel tiles BK / BD, the number of splits of K or of
 # the tokens SPLITS, warps, software-pipelining stages; STATES / PIECES: kernel_bwd) and the product modes; TUNE
@@ -74,11 +76,14 @@ KERNELS = ("_mhc_proj_fwd", "_mhc_pre_fwd", "_mhc_combine_fwd", "_mhc_pre_bwd", 
 # dx's other geometries 864-1394, pre_bwd's 870-947 (STATES 0, the recomputed Sinkhorn states: 947); run 6: dx BT
 # 32, 4 stages, at most 128 registers (43 KB of shared memory: four programs per SM, not three) 851 -> 803 us; run 7:
 # dx PREFETCH (g_y a tile ahead) with 3 stages 826 -> 778 (with 4 stages it spills: 1008); run 8: the Gluon dx
-# (``dx_gluon``, Hopper, bf16, n = 4) 777 -> 684, its 2 / 4 stages 689 / 707, 128 channels on 8 warps 704. Combine
+# (``dx_gluon``, Hopper, bf16, n = 4) 777 -> 684, its 2 / 4 stages 689 / 707, 128 channels on 8 warps 704; run 9:
+# the Gluon projection (``proj_gluon``) makes the forward 354 -> 342 us, 333 with 4 splits (3 / 6 stages 344 / 369,
+# 64 tokens on 4 warps 347, 16 splits 353). Combine
 # backward: 449 us at one token and 4 warps per program, its variants 452-497; its BD is a multiple of
 # 32 x num_warps x the 16-byte vector, which its layout needs (``kernel_bwd._mhc_combine_bwd``).
 GPU_CONFIG: dict[str, dict[str, int]] = {
     "proj": {"BT": 256, "BK": 64, "SPLITS": 8, "num_warps": 8},
+    "proj_gluon": {"BT": 128, "BK": 64, "SPLITS": 4, "STAGES": 4, "num_warps": 8},
     "pre_fwd": {"BT": 4, "BD": 512, "num_warps": 8},
     "pre_bwd": {"BT": 32, "BD": 256, "num_warps": 8, "STATES": 1},
     "dx": {"BT": 32, "BD": 64, "SPLITS": 8, "num_warps": 4, "num_stages": 3, "maxnreg": 128, "PIECES": 1,
@@ -92,6 +97,9 @@ GPU_CONFIG: dict[str, dict[str, int]] = {
 # time) and the GPU tests hold to the defaults' tolerances (tests/gpu/test_mhc_gpu.py), so that any of them can
 # become a default on the sweep's word. ``pre_bwd`` STATES 0 recomputes the Sinkhorn states (the same bytes).
 GEOMETRY_VARIANTS: tuple[dict[str, dict[str, int]], ...] = (
+    {"proj": {}},  # the Triton projection at its defaults (a "proj" entry selects it)
+    *({"proj_gluon": c} for c in ({"STAGES": 3}, {"STAGES": 6}, {"BT": 64, "num_warps": 4}, {"SPLITS": 8},
+                                  {"SPLITS": 2})),
     *({"dx": c} for c in ({"PIECES": 0}, {"PREFETCH": 0}, {"num_stages": 2}, {"num_stages": 4},
                           {"SPLITS": 4}, {"SPLITS": 16}, {"BD": 128, "num_warps": 8, "num_stages": 2},
                           {"BT": 128, "num_warps": 8, "num_stages": 2},
@@ -111,10 +119,11 @@ GEOMETRY_VARIANTS: tuple[dict[str, dict[str, int]], ...] = (
 # "bf16x3", ~2^-16 relative, taken only where that gradient is rounded to bf16: fp32 streams get "tf32x3").
 PRODUCTS = {"dot": "bf16x3", "gx": "bf16x3"}
 TUNE: dict[str, Any] = {}  # e.g. {"proj": {"SPLITS": 4}, "dot": "tf32x3"}
-# The streams' gradient: "auto" runs the Gluon kernel (``kernel_dx_gluon.py``) where ``dx_gluon_fits`` says it can,
-# else the Triton one (``kernel_bwd._mhc_dx_bwd``); "triton" / "gluon" force one ("gluon" raises where it cannot).
-# Under "auto" a ``TUNE["dx"]`` entry (a geometry of the Triton kernel, the sweep's) selects the Triton kernel.
-DX_KERNEL = "auto"
+# The projection and the streams' gradient: "auto" runs the Gluon kernels (``kernel_proj_gluon.py``,
+# ``kernel_dx_gluon.py``) where ``gluon_fits`` says they can, else the Triton ones (``kernel_fwd._mhc_proj_fwd``,
+# ``kernel_bwd._mhc_dx_bwd``); "triton" / "gluon" force one kind ("gluon" raises where it cannot run). Under "auto" a
+# ``TUNE["proj"]`` / ``TUNE["dx"]`` entry (a geometry of the Triton kernel, the sweep's) selects that Triton kernel.
+GLUON = "auto"
 HOST_KEYS = ("SPLITS", "VECS", "PIECES")  # launch-geometry keys the host uses (not kernel meta-parameters)
 COMPILER_KEYS = ("num_warps", "num_stages", "maxnreg")  # what the interpreter has no use for
 
@@ -159,30 +168,34 @@ def _meta(cfg: dict[str, int]) -> dict[str, int]:
     return {k: v for k, v in cfg.items() if k not in HOST_KEYS}
 
 
-def dx_gluon_fits(x: Any, d_y: Any, n: int, d: int, no: int, dot: int, gx: int, bd: int) -> str | None:
-    """None when the Gluon streams' gradient can run this call, else why not: a Hopper GPU, bf16 streams with the
-    bf16-piece products, a mix width padded to 32 (n = 4), whole channel tiles and 16-byte aligned rows."""
+def gluon_fits(tensors: tuple, no: int, exact_products: bool, width: int, tile: int) -> str | None:
+    """None when a Gluon kernel of this module can run this call, else why not: a Hopper GPU, bf16 streams with the
+    bf16-piece products, a mix width padded to 32 (n = 4), whole tiles of ``width`` and 16-byte aligned rows."""
     cap = capability.detect()
     if cap.interpreter or not cap.gpu or cap.sm is None or cap.sm[0] != 9:
         return "not a Hopper GPU (sm90)"
-    if dtype_name(x) != "bfloat16" or dot != DOT_BF16X3 or gx != DOT_BF16X3_ROUNDED:
+    if dtype_name(tensors[0]) != "bfloat16" or not exact_products:
         return "not bf16 streams with bf16-piece products"
     if no != 32:
         return f"mix width padded to {no} (needs 32: n = 4)"
-    if d % bd:
-        return f"width {d} not a multiple of the channel tile {bd}"
-    if any(int(torch_view(v).data_ptr()) % 16 for v in (x, d_y)):
+    if width % tile:
+        return f"width {width} not a multiple of the tile {tile}"
+    if any(int(torch_view(v).data_ptr()) % 16 for v in tensors):
         return "rows not 16-byte aligned (cp.async copies 16 bytes)"
     return None
 
 
-def _use_gluon_dx(x: Any, d_y: Any, n: int, d: int, no: int, dot: int, gx: int) -> bool:
-    if DX_KERNEL == "triton" or (DX_KERNEL == "auto" and "dx" in TUNE):
+def _use_gluon(kind: str, fn: str, tensors: tuple, no: int, exact_products: bool, width: int) -> bool:
+    """Whether ``kind`` ("proj" / "dx") runs its Gluon kernel (``GLUON``); "gluon" raises naming why it cannot."""
+    if GLUON == "triton" or (GLUON == "auto" and kind in TUNE):
         return False
-    why_not = ("the Triton interpreter" if is_interpreted()
-               else dx_gluon_fits(x, d_y, n, d, no, dot, gx, _config("dx_gluon", n, d)["BD"]))
-    if DX_KERNEL == "gluon" and why_not is not None:
-        raise ValueError(f"mhc_pre (backward): DX_KERNEL = 'gluon' cannot run here: {why_not}")
+    if is_interpreted():
+        why_not = "the Triton interpreter"
+    else:
+        tile = _config(f"{kind}_gluon", 1, width)["BK" if kind == "proj" else "BD"]
+        why_not = gluon_fits(tensors, no, exact_products, width, tile)
+    if GLUON == "gluon" and why_not is not None:
+        raise ValueError(f"{fn}: GLUON = 'gluon' cannot run here: {why_not}")
     return why_not is None
 
 
@@ -252,12 +265,21 @@ def pre_forward(x: Any, fn_w: Any, base: Any, scale: Any, iterations: int, eps: 
     if t == 0:
         return post, comb, y, mix, r
     common = _common(n, d, nout, head, iterations)
-    cfg = _config("proj", n, d)
-    per, splits = _split(n * d, cfg["SPLITS"], cfg["BK"])
-    part = empty_like(x, shape=[splits, t, common["NO"]], dtype=f32)
+    no = common["NO"]
     dot, _ = _products(x)
-    launch(_mhc_proj_fwd, (triton.cdiv(t, cfg["BT"]), splits), detached(x), detached(fn_w), part, t, per,
-           N=n, D=d, NOUT=nout, NO=common["NO"], DOT=dot, **_meta(cfg))
+    gluon = _use_gluon("proj", "mhc_pre", (x,), no, dot == DOT_BF16X3, n * d)
+    cfg = _config("proj_gluon" if gluon else "proj", n, d)
+    per, splits = _split(n * d, cfg["SPLITS"], cfg["BK"])
+    part = empty_like(x, shape=[splits, t, no], dtype=f32)
+    grid = (triton.cdiv(t, cfg["BT"]), splits)
+    if gluon:  # fn's bf16 pieces once, then the projection on warp-group MMAs
+        pieces = empty_like(x, shape=[3, no, n * d])
+        launch(_mhc_fn_pieces, (no, triton.cdiv(n * d, 1024)), detached(fn_w), pieces, n * d, NOUT=nout, NO=no,
+               BLOCK=1024)
+        launch(_mhc_proj_gluon, grid, detached(x), pieces, part, t, per, N=n, D=d, NOUT=nout, NO=no, **_meta(cfg))
+    else:
+        launch(_mhc_proj_fwd, grid, detached(x), detached(fn_w), part, t, per, N=n, D=d, NOUT=nout, NO=no, DOT=dot,
+               **_meta(cfg))
     cfg = _config("pre_fwd", n, d)
     launch(
         _mhc_pre_fwd, (triton.cdiv(t, cfg["BT"]),),
@@ -290,7 +312,7 @@ def pre_backward(x: Any, fn_w: Any, base: Any, scale: Any, mix: Any, r: Any, d_p
     blocks = triton.cdiv(t, cfg["BT"])
     sums = empty_like(x, shape=[max(blocks, 1), 2, no], dtype=f32)
     dot, gx = _products(x)
-    gluon_dx = _use_gluon_dx(x, d_y, n, d, no, dot, gx)
+    gluon_dx = _use_gluon("dx", "mhc_pre (backward)", (x, d_y), no, dot == DOT_BF16X3 and gx == DOT_BF16X3_ROUNDED, d)
     cfg_dx = _config("dx_gluon" if gluon_dx else "dx", n, d)
     per, splits = _split(t, cfg_dx["SPLITS"], cfg_dx["BT"]) if t > 0 else (1, 0)
     part = empty_like(x, shape=[max(splits, 1), no, n * d], dtype=f32)

@@ -21,7 +21,7 @@ Products as the Triton kernel's with bf16 streams and ``G``'s pieces (``PIECES``
 bf16 products of both operands' pieces, smallest first, in a fresh accumulator (``DOT_BF16X3_ROUNDED``); ``x^T G``
 the three products with ``G``'s pieces, smallest first, fresh per tile and added to the running sum in fp32.
 Other MMA instruction shapes than the Triton kernel's: equal to rounding, not bitwise; deterministic (one order).
-Device code only, sm90; ``kernel.pre_backward`` chooses it (``kernel.DX_KERNEL``).
+Device code only, sm90; ``kernel.pre_backward`` chooses it (``kernel.GLUON``).
 """
 
 from __future__ import annotations

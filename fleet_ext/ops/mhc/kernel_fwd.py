@@ -193,6 +193,19 @@ def _store_rounded(ptrs, v, mask, DOWNCAST: tl.constexpr):
 
 
 @triton.jit
+def _mhc_fn_pieces(fn_ptr, out_ptr, K, NOUT: tl.constexpr, NO: tl.constexpr, BLOCK: tl.constexpr):
+    """``fn`` [NOUT, K] fp32 as its three bf16 pieces [3, NO, K] (hi, mid, lo: ``_bf16_pieces``; rows past NOUT
+    zero), once per call, for the Gluon projection (``kernel_proj_gluon.py``)."""
+    row = tl.program_id(0)
+    k = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = k < K
+    hi, mid, lo = _bf16_pieces(tl.load(fn_ptr + row * K + k, mask=m & (row < NOUT), other=0.0))
+    tl.store(out_ptr + row * K + k, hi, mask=m)
+    tl.store(out_ptr + (NO + row) * K + k, mid, mask=m)
+    tl.store(out_ptr + (2 * NO + row) * K + k, lo, mask=m)
+
+
+@triton.jit
 def _mhc_proj_fwd(
     x_ptr, fn_ptr, part_ptr, T, KS,
     N: tl.constexpr, D: tl.constexpr, NOUT: tl.constexpr, NO: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
