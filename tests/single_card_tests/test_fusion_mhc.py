@@ -191,6 +191,26 @@ def test_bad_inputs_raise_naming_the_tensor():
                           1e-6, 1e-6)
 
 
+def test_fn_pieces_rebuild_fn_to_fp32_accuracy():
+    """``_mhc_fn_pieces`` (the Gluon projection's operand; a Triton kernel, here in the interpreter on torch tensors):
+    hi + mid + lo equals fn within 2^-24 of each entry (three bf16 pieces carry fp32's 24 bits), every piece is a
+    bf16 value, rows past NOUT are zero; dropping the lowest piece fails the bound (negative control)."""
+    import torch
+
+    w = torch.tensor(np.random.default_rng(0).standard_normal((24, 200)) * 0.1, dtype=torch.float32)
+    with expect_launches("_mhc_fn_pieces", exactly=1):
+        p = kernel.fn_pieces(w, 32, torch.zeros(1, dtype=torch.bfloat16))
+    assert p.dtype == torch.bfloat16 and list(p.shape) == [3, 32, 200]
+    f, want = p.double(), w.double()
+
+    def rebuilt_within_fp32(pieces) -> bool:
+        return bool(((pieces.sum(0)[:24] - want).abs() <= 2**-24 * want.abs()).all())
+
+    assert rebuilt_within_fp32(f)
+    assert bool((f[:, 24:] == 0).all())
+    assert not rebuilt_within_fp32(f[:2])
+
+
 def test_forcing_the_gluon_kernels_where_they_cannot_run_raises(monkeypatch):
     """``kernel.GLUON = "gluon"`` (Hopper only: ``kernel_proj_gluon.py``, ``kernel_dx_gluon.py``) raises naming why
     it cannot run here; "auto" falls back to the Triton kernels (the launch counts of the tests above)."""

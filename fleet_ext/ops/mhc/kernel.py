@@ -250,6 +250,15 @@ def _common(n: int, d: int, nout: int, head: bool, iterations: int) -> dict[str,
             "ITERS": int(iterations), "HEAD": bool(head)}
 
 
+def fn_pieces(fn_w: Any, no: int, like: Any) -> Any:
+    """``fn`` [NOUT, K] fp32 as its three bf16 pieces [3, no, K] (hi, mid, lo; rows past NOUT zero), in the dtype of
+    ``like`` (the streams): the Gluon projection's operand, made once per call."""
+    nout, k = shape_of(fn_w)
+    pieces = empty_like(like, shape=[3, no, k])
+    launch(_mhc_fn_pieces, (no, triton.cdiv(k, 1024)), detached(fn_w), pieces, k, NOUT=nout, NO=no, BLOCK=1024)
+    return pieces
+
+
 def pre_forward(x: Any, fn_w: Any, base: Any, scale: Any, iterations: int, eps: float, norm_eps: float,
                 head: bool = False) -> tuple[Any, Any, Any, Any, Any]:
     """``(post [T, n], comb [T, n, n], y [T, D], mix [T, NOUT], r [T])`` for streams ``x`` [T, n, D]; fp32 except
@@ -273,9 +282,7 @@ def pre_forward(x: Any, fn_w: Any, base: Any, scale: Any, iterations: int, eps: 
     part = empty_like(x, shape=[splits, t, no], dtype=f32)
     grid = (triton.cdiv(t, cfg["BT"]), splits)
     if gluon:  # fn's bf16 pieces once, then the projection on warp-group MMAs
-        pieces = empty_like(x, shape=[3, no, n * d])
-        launch(_mhc_fn_pieces, (no, triton.cdiv(n * d, 1024)), detached(fn_w), pieces, n * d, NOUT=nout, NO=no,
-               BLOCK=1024)
+        pieces = fn_pieces(fn_w, no, x)
         launch(_mhc_proj_gluon, grid, detached(x), pieces, part, t, per, N=n, D=d, NOUT=nout, NO=no, **_meta(cfg))
     else:
         launch(_mhc_proj_fwd, grid, detached(x), detached(fn_w), part, t, per, N=n, D=d, NOUT=nout, NO=no, DOT=dot,

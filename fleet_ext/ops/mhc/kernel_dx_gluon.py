@@ -31,6 +31,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
+from fleet_ext.ops.mhc.kernel_proj_gluon import _piece_rings
+
 
 @gluon.jit
 def _issue_tile(src, bufs, slot, t0, t_end, T, k, d, d_ok, K, D: gl.constexpr, NO: gl.constexpr, BT: gl.constexpr,
@@ -79,13 +81,10 @@ def _mhc_dx_gluon(
     g_l: gl.constexpr = gl.BlockedLayout([1, VG], [32 * VG // NO, NO // VG], [W, 1], [1, 0])
     w_l: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // BD, BD // 4], [W, 1], [1, 0])
     x_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, BD], dtype)
-    g_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, NO], dtype)
     w_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NO, BD], dtype)
     x_s = gl.allocate_shared_memory(dtype, [STAGES, BT, BD], x_sl)
     dy_s = gl.allocate_shared_memory(dtype, [STAGES, BT, BD], x_sl)
-    g_hi_s = gl.allocate_shared_memory(dtype, [STAGES, BT, NO], g_sl)
-    g_mid_s = gl.allocate_shared_memory(dtype, [STAGES, BT, NO], g_sl)
-    g_lo_s = gl.allocate_shared_memory(dtype, [STAGES, BT, NO], g_sl)
+    g_hi_s, g_mid_s, g_lo_s = _piece_rings(dtype, STAGES, BT, NO)
     w_s = gl.allocate_shared_memory(dtype, [2, NO, BD], w_sl)
     dx_s = gl.allocate_shared_memory(dtype, [BT, BD], x_sl)  # g_x^T written transposed, read row-major
     src = (x_ptr, dy_ptr, g_ptr)

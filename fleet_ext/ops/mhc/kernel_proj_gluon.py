@@ -20,6 +20,15 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 
 @gluon.jit
+def _piece_rings(dtype: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr):
+    """Three rings of ``STAGES`` [ROWS, COLS] tiles (an operand's hi, mid and lo bf16 pieces), MMA-ready layout."""
+    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, COLS], dtype)
+    return (gl.allocate_shared_memory(dtype, [STAGES, ROWS, COLS], layout),
+            gl.allocate_shared_memory(dtype, [STAGES, ROWS, COLS], layout),
+            gl.allocate_shared_memory(dtype, [STAGES, ROWS, COLS], layout))
+
+
+@gluon.jit
 def _issue_step(x_ptr, p_ptr, bufs, slot, step, n_steps, k0, t, t_ok, K, NO: gl.constexpr, BK: gl.constexpr,
                 x_l: gl.constexpr, p_l: gl.constexpr):
     """``cp.async`` of K step ``step``: the tokens' columns ``[k0 + step BK, + BK)`` and ``fn``'s three pieces of
@@ -55,19 +64,14 @@ def _mhc_proj_gluon(x_ptr, p_ptr, part_ptr, T, KS, N: gl.constexpr, D: gl.conste
 
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, NO, 16])
     x_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BK, BK // 8], [W, 1], [1, 0])  # 16 B per copy
-    p_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BK, BK // 8], [W, 1], [1, 0])
-    x_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, BK], dtype)
-    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NO, BK], dtype)
-    x_s = gl.allocate_shared_memory(dtype, [STAGES, BT, BK], x_sl)
-    hi_s = gl.allocate_shared_memory(dtype, [STAGES, NO, BK], p_sl)
-    mid_s = gl.allocate_shared_memory(dtype, [STAGES, NO, BK], p_sl)
-    lo_s = gl.allocate_shared_memory(dtype, [STAGES, NO, BK], p_sl)
+    x_s = gl.allocate_shared_memory(dtype, [STAGES, BT, BK], gl.NVMMASharedLayout.get_default_for([BT, BK], dtype))
+    hi_s, mid_s, lo_s = _piece_rings(dtype, STAGES, NO, BK)
     bufs = (x_s, hi_s, mid_s, lo_s)
 
     t = t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, x_l))
     t_ok = t < T
     for p in gl.static_range(STAGES - 1):
-        _issue_step(x_ptr, p_ptr, bufs, p, p, n_steps, k0, t, t_ok, K, NO, BK, x_l, p_l)
+        _issue_step(x_ptr, p_ptr, bufs, p, p, n_steps, k0, t, t_ok, K, NO, BK, x_l, x_l)
     squares = gl.zeros([BT, BK], gl.float32, x_l)  # per thread, summed over K once at the end
     acc = gl.zeros([BT, NO], gl.float32, acc_l)
     for i in range(n_steps):
@@ -76,7 +80,7 @@ def _mhc_proj_gluon(x_ptr, p_ptr, part_ptr, T, KS, N: gl.constexpr, D: gl.conste
         fence_async_shared()
         gl.thread_barrier()  # everyone's, and everyone is done with step i - 1's slot
         _issue_step(x_ptr, p_ptr, bufs, (i + STAGES - 1) % STAGES, i + STAGES - 1, n_steps, k0, t, t_ok, K, NO,
-                    BK, x_l, p_l)
+                    BK, x_l, x_l)
         xs = x_s.index(slot)
         part = warpgroup_mma(xs, lo_s.index(slot).permute((1, 0)), gl.zeros([BT, NO], gl.float32, acc_l),
                              use_acc=False, is_async=True)
