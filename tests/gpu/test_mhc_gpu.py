@@ -250,10 +250,11 @@ def test_product_modes_in_bf16(kernel, monkeypatch, dot, gx):
     _assert_pre_op_matches_float64(kernel, make(256, 4, 4096, torch.bfloat16, seed=3), f"{dot}/{gx}")
 
 
-@pytest.mark.parametrize("tokens, d", [(256, 4096), (1000, 128), (77, 64)])
+@pytest.mark.parametrize("tokens, d", [(256, 4096), (1000, 128), (77, 64), (5, 64)])
 def test_gluon_kernels_match_triton_and_float64(kernel, monkeypatch, tokens, d):
     """The projection and the streams' gradient from the Gluon kernels and from the Triton ones (``GLUON`` forced
-    each way), same inputs (token tails within a split and across splits, one or several channel tiles, K split):
+    each way), same inputs (token tails within a split and across splits, fewer tokens than one tile, one or
+    several channel tiles, K split):
     each within the fused entries of float64 autograd, with launch counters; and against each other: the
     projection's outputs ``mix`` and ``r`` within 1e-5 / 1e-6 of their largest entries, ``g_x`` within one bf16
     rounding per element (the fp32 sums differ in MMA order only; plus 1e-5 of the largest entry where a sum
