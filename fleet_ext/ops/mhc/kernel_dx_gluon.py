@@ -57,6 +57,51 @@ def _issue_tile(src, bufs, slot, t0, t_end, T, k, d, d_ok, K, D: gl.constexpr, N
 
 
 @gluon.jit
+def _tile_step(i, acc, src, bufs, w_hi_t, w_mid_t, dx_s, pre_ptr, coef_ptr, dx_ptr, t_start, t_end, T, j, k, d, d_ok,
+               cols, t_rows, K, D: gl.constexpr, P: gl.constexpr, NO: gl.constexpr, BT: gl.constexpr,
+               BD: gl.constexpr, STAGES: gl.constexpr, gx_l: gl.constexpr, xg_l: gl.constexpr,
+               tile_l: gl.constexpr, g_l: gl.constexpr):
+    """Token tile ``i`` (ring slot ``i % STAGES``): its ``g_x`` stored, its ``x^T G`` added to ``acc`` (returned)."""
+    x_s, dy_s, g_hi_s, g_mid_s, g_lo_s = bufs
+    slot = i % STAGES
+    t = t_start + i * BT + cols
+    t_ok = t < t_end
+    pre = gl.load(pre_ptr + t * P + j, mask=t_ok, other=0.0)
+    coef = gl.load(coef_ptr + t, mask=t_ok, other=0.0)
+    async_copy.wait_group(STAGES - 2)  # this thread's copies of tile i have landed
+    fence_async_shared()  # ... and are visible to the MMAs (so are fn's pieces, stored before the loop)
+    gl.thread_barrier()  # everyone's are, and everyone is done with tile i - 1's slot
+    _issue_tile(src, bufs, (i + STAGES - 1) % STAGES, t_start + (i + STAGES - 1) * BT, t_end, T, k, d, d_ok, K,
+                D, NO, BT, tile_l, g_l)
+    g_hi = g_hi_s.index(slot)
+    g_mid = g_mid_s.index(slot)
+    g_lo = g_lo_s.index(slot)
+    x_t = x_s.index(slot).permute((1, 0))  # [BD, BT]
+    # g_x^T = fn^T G^T from the pieces, smallest first (G_mid fn_hi, G_hi fn_mid, G_hi fn_hi)
+    gx = warpgroup_mma(w_hi_t, g_mid.permute((1, 0)), gl.zeros([BD, BT], gl.float32, gx_l), use_acc=False,
+                       is_async=True)
+    gx = warpgroup_mma(w_mid_t, g_hi.permute((1, 0)), gx, is_async=True)
+    gx = warpgroup_mma(w_hi_t, g_hi.permute((1, 0)), gx, is_async=True)
+    # x^T G from G's pieces, smallest first, fresh for this tile
+    xg = warpgroup_mma(x_t, g_lo, gl.zeros([BD, NO], gl.float32, xg_l), use_acc=False, is_async=True)
+    xg = warpgroup_mma(x_t, g_mid, xg, is_async=True)
+    xg = warpgroup_mma(x_t, g_hi, xg, is_async=True)
+    xv = x_t.load(gx_l).to(gl.float32)
+    dyv = dy_s.index(slot).permute((1, 0)).load(gx_l).to(gl.float32)
+    gx = warpgroup_mma_wait(num_outstanding=3, deps=(gx,))
+    dx = (pre[None, :] * dyv + gx + coef[None, :] * xv).to(dx_ptr.dtype.element_ty)
+    # out through shared memory: 16-byte row stores (2-byte ones straight from the MMA layout: 1.2x slower)
+    dx_s.permute((1, 0)).store(dx)
+    gl.thread_barrier()
+    rows_t = (t_start + i * BT + t_rows).to(gl.int64)
+    m = (rows_t < t_end)[:, None] & d_ok[None, :]
+    gl.store(dx_ptr + rows_t[:, None] * K + k[None, :], dx_s.load(tile_l), mask=m)
+    xg = warpgroup_mma_wait(num_outstanding=0, deps=(xg,))
+    acc += xg
+    return acc
+
+
+@gluon.jit
 def _mhc_dx_gluon(
     x_ptr, fn_ptr, g_ptr, pre_ptr, coef_ptr, dy_ptr, dx_ptr, part_ptr, T, TS,
     N: gl.constexpr, P: gl.constexpr, D: gl.constexpr, NOUT: gl.constexpr, NO: gl.constexpr, BT: gl.constexpr,
@@ -111,41 +156,8 @@ def _mhc_dx_gluon(
     acc = gl.zeros([BD, NO], gl.float32, xg_l)
     t_rows = gl.arange(0, BT, layout=gl.SliceLayout(1, tile_l))
     for i in range(n_tiles):
-        slot = i % STAGES
-        t = t_start + i * BT + cols
-        t_ok = t < t_end
-        pre = gl.load(pre_ptr + t * P + j, mask=t_ok, other=0.0)
-        coef = gl.load(coef_ptr + t, mask=t_ok, other=0.0)
-        async_copy.wait_group(STAGES - 2)  # this thread's copies of tile i have landed
-        fence_async_shared()  # ... and are visible to the MMAs (so are fn's pieces, stored before the loop)
-        gl.thread_barrier()  # everyone's are, and everyone is done with tile i - 1's slot
-        _issue_tile(src, bufs, (i + STAGES - 1) % STAGES, t_start + (i + STAGES - 1) * BT, t_end, T, k, d, d_ok, K,
-                    D, NO, BT, tile_l, g_l)
-        g_hi = g_hi_s.index(slot)
-        g_mid = g_mid_s.index(slot)
-        g_lo = g_lo_s.index(slot)
-        x_t = x_s.index(slot).permute((1, 0))  # [BD, BT]
-        # g_x^T = fn^T G^T from the pieces, smallest first (G_mid fn_hi, G_hi fn_mid, G_hi fn_hi)
-        gx = warpgroup_mma(w_hi_t, g_mid.permute((1, 0)), gl.zeros([BD, BT], gl.float32, gx_l), use_acc=False,
-                           is_async=True)
-        gx = warpgroup_mma(w_mid_t, g_hi.permute((1, 0)), gx, is_async=True)
-        gx = warpgroup_mma(w_hi_t, g_hi.permute((1, 0)), gx, is_async=True)
-        # x^T G from G's pieces, smallest first, fresh for this tile
-        xg = warpgroup_mma(x_t, g_lo, gl.zeros([BD, NO], gl.float32, xg_l), use_acc=False, is_async=True)
-        xg = warpgroup_mma(x_t, g_mid, xg, is_async=True)
-        xg = warpgroup_mma(x_t, g_hi, xg, is_async=True)
-        xv = x_t.load(gx_l).to(gl.float32)
-        dyv = dy_s.index(slot).permute((1, 0)).load(gx_l).to(gl.float32)
-        gx = warpgroup_mma_wait(num_outstanding=3, deps=(gx,))
-        dx = (pre[None, :] * dyv + gx + coef[None, :] * xv).to(dx_ptr.dtype.element_ty)
-        # out through shared memory: 16-byte row stores (2-byte ones straight from the MMA layout: 1.2x slower)
-        dx_s.permute((1, 0)).store(dx)
-        gl.thread_barrier()
-        rows_t = (t_start + i * BT + t_rows).to(gl.int64)
-        m = (rows_t < t_end)[:, None] & d_ok[None, :]
-        gl.store(dx_ptr + rows_t[:, None] * K + k[None, :], dx_s.load(tile_l), mask=m)
-        xg = warpgroup_mma_wait(num_outstanding=0, deps=(xg,))
-        acc += xg
+        acc = _tile_step(i, acc, src, bufs, w_hi_t, w_mid_t, dx_s, pre_ptr, coef_ptr, dx_ptr, t_start, t_end, T, j, k,
+                         d, d_ok, cols, t_rows, K, D, P, NO, BT, BD, STAGES, gx_l, xg_l, tile_l, g_l)
     async_copy.wait_group(0)
     c = gl.arange(0, NO, layout=gl.SliceLayout(0, xg_l))
     ch = d0 + gl.arange(0, BD, layout=gl.SliceLayout(1, xg_l))
