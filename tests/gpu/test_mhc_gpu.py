@@ -18,6 +18,9 @@ Skipped without CUDA.
   error that bf16x3 products accumulated in the tensor cores gave), the mixing matrix transposed.
 - Every tile-product mode the launchers offer (``kernel.PRODUCTS``/``TUNE``) and every launch geometry the H200
   sweep may pick (``kernel.GEOMETRY_VARIANTS``) within the same entries.
+- The Hopper Gluon projection and streams' gradient (``kernel.GLUON``, the default here for bf16 streams of n = 4)
+  and the Triton kernels, each forced, against float64 and against each other; the launch counters of every test
+  expect the kernels the ``GLUON`` contract names.
 - Determinism at the production shape (T = 16384 tokens x 4 streams x D = 4096, bf16): forward and backward
   byte-identical run to run (no atomics), at the defaults and at every geometry variant, and the Sinkhorn
   backward's stored and recomputed states give the same bytes.

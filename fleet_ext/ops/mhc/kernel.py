@@ -25,6 +25,10 @@ in V4-Flash); everything else per token is tiny (24 mixing logits, an n x n matr
 - *combine backward* (``_mhc_combine_bwd``): BT tokens per program (1 on a GPU) over all their channels: one
   read of X, the output gradient and f, one write of ``g_x`` and ``g_f``; ``g_post`` and ``g_comb`` (sums over
   D) are summed inside each thread across the channel tiles and across threads once at the end, in order.
+- *On Hopper* (``GLUON``, bf16 streams, n = 4) the projection and the streams' gradient run as Gluon kernels
+  (``kernel_proj_gluon.py`` after ``_mhc_fn_pieces`` has split ``fn`` once, ``kernel_dx_gluon.py``): the same
+  boundaries and products, with their operands where ``cp.async`` put them in shared memory (the reasons and the
+  H200 timings are in those modules).
 
 Deterministic: every sum has one fixed order for a given launch geometry (no atomics), so results are
 byte-identical run to run.
