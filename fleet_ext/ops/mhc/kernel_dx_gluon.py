@@ -11,8 +11,9 @@ spills three loop values at its 128-register cap. Here everything is computed tr
 - the sum ``g_x^T = pre g_y^T + fn^T G^T + coef x^T`` is formed in the MMA result's own layout (``x`` and ``g_y``
   read from shared memory in that layout), written transposed to shared memory and stored as 16-byte rows (stores
   straight from the MMA layout are 2-byte scatters: that form was 1.2x slower on the H200);
-- two CTA barriers per tile (the ``cp.async`` ring, each stage refilled once every thread is done with it; the
-  staged output).
+- two CTA barriers per tile of its own (the ``cp.async`` ring, each stage refilled once every thread is done with
+  it; the staged output); Triton's barrier analysis adds two more between ring slots it cannot tell apart (unrolling
+  the ring by slot did not remove them and doubled the registers, offline).
 
 H200, T 16384 x 4 x 4096 bf16: 410 us (70 % of copy) against the Triton kernel's 510 (56 %), the pre backward op
 1.16x (``benchmarks/RESULTS.md``).
