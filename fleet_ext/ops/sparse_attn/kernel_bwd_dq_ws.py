@@ -44,8 +44,12 @@ from fleet_ext.ops.sparse_attn.kernel_fwd_ws import (
     LOG2E,
     _copy_cols,
     _gather_kv_blocks,
+    _init_stage_barriers,
     _issue_qk,
+    _kv_stages,
+    _q_tiles,
     _rows,
+    _stage_barriers,
 )
 
 
@@ -191,40 +195,26 @@ def _bwd_dq_ws_kernel(
         kv_base = KV
     idx_row = IDX + t * stride_it
     dtype: gl.constexpr = Q.dtype.element_ty
-    half_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], dtype)
     qh_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, HALF], dtype)
-    TAIL: gl.constexpr = D_TAIL if D_TAIL > 0 else 64
-    tail_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, TAIL], dtype)
-    qt_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, TAIL], dtype)
     ds_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype)
     dp_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    TAIL_ROWS_Q: gl.constexpr = BLOCK_H if D_TAIL > 0 else 16
-    TAIL_ROWS_KV: gl.constexpr = BLOCK_N if D_TAIL > 0 else 16
-    TAIL_STAGES: gl.constexpr = NUM_STAGES if D_TAIL > 0 else 1
 
-    q_lo = gl.allocate_shared_memory(dtype, [BLOCK_H, HALF], qh_l)
-    q_hi = gl.allocate_shared_memory(dtype, [BLOCK_H, HALF], qh_l)
-    q_tail = gl.allocate_shared_memory(dtype, [TAIL_ROWS_Q, TAIL], qt_l)
+    q_lo, q_hi, q_tail = _q_tiles(dtype, BLOCK_H, D_TAIL)
     do_lo = gl.allocate_shared_memory(dtype, [BLOCK_H, HALF], qh_l)
     do_hi = gl.allocate_shared_memory(dtype, [BLOCK_H, HALF], qh_l)
-    kv_lo = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HALF], half_l)
-    kv_hi = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HALF], half_l)
-    kv_tail = gl.allocate_shared_memory(dtype, [TAIL_STAGES, TAIL_ROWS_KV, TAIL], tail_l)
+    kv_lo, kv_hi, kv_tail = _kv_stages(dtype, NUM_STAGES, BLOCK_N, D_TAIL)
     ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], ds_l)
     dp_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H, BLOCK_N], dp_l)
 
     bar_l: gl.constexpr = mbarrier.MBarrierLayout()
     qd_ready = gl.allocate_shared_memory(gl.int64, [1], bar_l)
-    kv_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_l)
-    kv_free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_l)
+    kv_ready, kv_free = _stage_barriers(NUM_STAGES)
     dp_ready = gl.allocate_shared_memory(gl.int64, [1], bar_l)
     dp_free = gl.allocate_shared_memory(gl.int64, [1], bar_l)
     ds_ready = gl.allocate_shared_memory(gl.int64, [1], bar_l)
     ds_free = gl.allocate_shared_memory(gl.int64, [1], bar_l)
     mbarrier.init(qd_ready, count=128)
-    for s in gl.static_range(NUM_STAGES):
-        mbarrier.init(kv_ready.index(s), count=128)
-        mbarrier.init(kv_free.index(s), count=2)
+    _init_stage_barriers(kv_ready, kv_free, NUM_STAGES)
     mbarrier.init(dp_ready, count=1)
     mbarrier.init(dp_free, count=1)
     mbarrier.init(ds_ready, count=1)

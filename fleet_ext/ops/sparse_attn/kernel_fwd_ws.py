@@ -78,6 +78,48 @@ def _copy_cols(dst, BASE, row, ok, stride_row, col0, WIDTH: gl.constexpr, layout
 
 
 @gluon.jit
+def _q_tiles(dtype: gl.constexpr, BLOCK_H: gl.constexpr, D_TAIL: gl.constexpr):
+    """A query-shaped tile in shared memory: channels 0-255, 256-511 and the key-only tail (a small unused
+    placeholder when there is none). The dq kernel allocates ``dO`` with the same layout right after."""
+    TAIL: gl.constexpr = D_TAIL if D_TAIL > 0 else 64
+    TAIL_ROWS: gl.constexpr = BLOCK_H if D_TAIL > 0 else 16
+    half_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, HALF], dtype)
+    tail_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, TAIL], dtype)
+    return (gl.allocate_shared_memory(dtype, [BLOCK_H, HALF], half_l),
+            gl.allocate_shared_memory(dtype, [BLOCK_H, HALF], half_l),
+            gl.allocate_shared_memory(dtype, [TAIL_ROWS, TAIL], tail_l))
+
+
+@gluon.jit
+def _kv_stages(dtype: gl.constexpr, NUM_STAGES: gl.constexpr, BLOCK_N: gl.constexpr, D_TAIL: gl.constexpr):
+    """The gathered KV rows' stage buffers, split as ``_q_tiles`` (one tail stage as placeholder when none)."""
+    TAIL: gl.constexpr = D_TAIL if D_TAIL > 0 else 64
+    TAIL_ROWS: gl.constexpr = BLOCK_N if D_TAIL > 0 else 16
+    TAIL_STAGES: gl.constexpr = NUM_STAGES if D_TAIL > 0 else 1
+    half_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], dtype)
+    tail_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, TAIL], dtype)
+    return (gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HALF], half_l),
+            gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HALF], half_l),
+            gl.allocate_shared_memory(dtype, [TAIL_STAGES, TAIL_ROWS, TAIL], tail_l))
+
+
+@gluon.jit
+def _stage_barriers(NUM_STAGES: gl.constexpr):
+    """``kv_ready`` / ``kv_free`` per stage (initialised by ``_init_stage_barriers``)."""
+    bar_l: gl.constexpr = mbarrier.MBarrierLayout()
+    return (gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_l),
+            gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_l))
+
+
+@gluon.jit
+def _init_stage_barriers(kv_ready, kv_free, NUM_STAGES: gl.constexpr):
+    """Ready: the gather warpgroup's 128 threads each arrive after their copies; free: both consumers arrive."""
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.init(kv_ready.index(s), count=128)
+        mbarrier.init(kv_free.index(s), count=2)
+
+
+@gluon.jit
 def _gather_kv_blocks(kv_base, idx_row, n_valid, kv_lo, kv_hi, kv_tail, kv_ready, kv_free, N, stride_kvn,
                       D_TAIL: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, GATHER: gl.constexpr,
                       PROBE: gl.constexpr = 0):
@@ -285,38 +327,23 @@ def _sparse_attn_fwd_ws_kernel(
         kv_base = KV
     idx_row = IDX + t * stride_it
     dtype: gl.constexpr = Q.dtype.element_ty
-    half_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], dtype)
-    qh_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, HALF], dtype)
-    TAIL: gl.constexpr = D_TAIL if D_TAIL > 0 else 64
-    tail_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, TAIL], dtype)
-    qt_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, TAIL], dtype)
     p_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype)
     vec_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    TAIL_ROWS_Q: gl.constexpr = BLOCK_H if D_TAIL > 0 else 16  # no tail: a small unused placeholder
-    TAIL_ROWS_KV: gl.constexpr = BLOCK_N if D_TAIL > 0 else 16
-    TAIL_STAGES: gl.constexpr = NUM_STAGES if D_TAIL > 0 else 1
 
-    q_lo = gl.allocate_shared_memory(dtype, [BLOCK_H, HALF], qh_l)
-    q_hi = gl.allocate_shared_memory(dtype, [BLOCK_H, HALF], qh_l)
-    q_tail = gl.allocate_shared_memory(dtype, [TAIL_ROWS_Q, TAIL], qt_l)
-    kv_lo = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HALF], half_l)
-    kv_hi = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HALF], half_l)
-    kv_tail = gl.allocate_shared_memory(dtype, [TAIL_STAGES, TAIL_ROWS_KV, TAIL], tail_l)
+    q_lo, q_hi, q_tail = _q_tiles(dtype, BLOCK_H, D_TAIL)
+    kv_lo, kv_hi, kv_tail = _kv_stages(dtype, NUM_STAGES, BLOCK_N, D_TAIL)
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], p_l)
     alpha_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec_l)
     l_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec_l)
 
     bar_l: gl.constexpr = mbarrier.MBarrierLayout()
     q_ready = gl.allocate_shared_memory(gl.int64, [1], bar_l)
-    kv_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_l)
-    kv_free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_l)
+    kv_ready, kv_free = _stage_barriers(NUM_STAGES)
     p_ready = gl.allocate_shared_memory(gl.int64, [1], bar_l)
     p_free = gl.allocate_shared_memory(gl.int64, [1], bar_l)
     done = gl.allocate_shared_memory(gl.int64, [1], bar_l)
     mbarrier.init(q_ready, count=128)
-    for s in gl.static_range(NUM_STAGES):
-        mbarrier.init(kv_ready.index(s), count=128)
-        mbarrier.init(kv_free.index(s), count=2)
+    _init_stage_barriers(kv_ready, kv_free, NUM_STAGES)
     mbarrier.init(p_ready, count=1)
     mbarrier.init(p_free, count=1)
     mbarrier.init(done, count=1)
