@@ -203,8 +203,8 @@ def goals(row: dict) -> list[str]:
 # the GPU tests hold to the defaults' tolerances; each timed through the op it belongs to (the pre forward, the pre
 # backward or the combine backward) and checked against the defaults' outputs (a variant that computes something
 # else shows a large "diff").
-OP_OF = {"proj": "fwd", "proj_gluon": "fwd", "pre_fwd": "fwd", "pre_bwd": "bwd", "dx": "bwd", "dx_gluon": "bwd",
-         "params": "bwd", "combine_bwd": "cbwd"}
+OP_OF = {"proj": "fwd", "proj_gluon": "fwd", "pre_fwd": "fwd", "pre_bwd": "bwd", "gates": "bwd", "dx": "bwd",
+         "dx_gluon": "bwd", "params": "bwd", "combine_bwd": "cbwd"}
 SWEEP: list[tuple[str, str, dict]] = [
     (OP_OF[key], f"{key} {value}", tune) for tune in kernel.GEOMETRY_VARIANTS for key, value in tune.items()]
 
@@ -266,7 +266,7 @@ def _kernel_bytes() -> dict[str, float]:
     xb, yb = T * N * D * 2, T * D * 2
     part = _part_bytes() / 2
     return {"_mhc_proj_fwd": xb + part, "_mhc_proj_gluon": xb + part, "_mhc_pre_fwd": xb + yb + part,
-            "_mhc_pre_bwd": xb + yb,
+            "_mhc_pre_bwd": xb + yb, "_mhc_gates_bwd": xb + yb,
             "_mhc_dx_bwd": 2 * xb + yb + _dfn_part_bytes() / 2, "_mhc_dx_gluon": 2 * xb + yb + _dfn_part_bytes() / 2,
             "_mhc_params_bwd": _dfn_part_bytes() / 2,
             "_mhc_combine_fwd": 2 * xb + yb, "_mhc_combine_bwd": 3 * xb + 2 * yb}

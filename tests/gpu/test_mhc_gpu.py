@@ -102,9 +102,11 @@ def pre_fwd_kernels(kernel, x, head=False) -> tuple[str, ...]:
 
 
 def pre_bwd_kernels(kernel, x, head=False) -> tuple[str, ...]:
-    """The pre backward's three launches: the streams' gradient in Gluon or in Triton (``_gluon_runs``)."""
+    """The pre backward's launches: ``_mhc_gates_bwd`` where ``gates`` splits the first pass off, then three: the
+    streams' gradient in Gluon or in Triton (``_gluon_runs``)."""
     dx = "_mhc_dx_gluon" if _gluon_runs(kernel, x, "dx", head) else "_mhc_dx_bwd"
-    return ("_mhc_pre_bwd", dx, "_mhc_params_bwd")
+    gate = ("_mhc_gates_bwd",) if kernel._config("gates", x.shape[1], x.shape[2])["SPLIT"] else ()
+    return (*gate, "_mhc_pre_bwd", dx, "_mhc_params_bwd")
 
 
 def _forward(kernel, a):

@@ -52,7 +52,7 @@ import triton
 
 from fleet_ext import capability
 from fleet_ext.ops.launch import detached, dtype_name, empty_like, is_paddle, launch, shape_of, torch_view
-from fleet_ext.ops.mhc.kernel_bwd import _mhc_combine_bwd, _mhc_dx_bwd, _mhc_params_bwd, _mhc_pre_bwd
+from fleet_ext.ops.mhc.kernel_bwd import _mhc_combine_bwd, _mhc_dx_bwd, _mhc_gates_bwd, _mhc_params_bwd, _mhc_pre_bwd
 from fleet_ext.ops.mhc.kernel_dx_gluon import _mhc_dx_gluon
 from fleet_ext.ops.mhc.kernel_fwd import (
     DOT_BF16X3,
@@ -68,8 +68,8 @@ from fleet_ext.ops.mhc.kernel_fwd import (
 from fleet_ext.ops.mhc.kernel_proj_gluon import _mhc_proj_gluon
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
-KERNELS = ("_mhc_proj_fwd", "_mhc_fn_pieces", "_mhc_proj_gluon", "_mhc_pre_fwd", "_mhc_combine_fwd", "_mhc_pre_bwd",
-           "_mhc_dx_bwd", "_mhc_dx_gluon", "_mhc_params_bwd", "_mhc_combine_bwd")
+KERNELS = ("_mhc_proj_fwd", "_mhc_fn_pieces", "_mhc_proj_gluon", "_mhc_pre_fwd", "_mhc_combine_fwd", "_mhc_gates_bwd",
+           "_mhc_pre_bwd", "_mhc_dx_bwd", "_mhc_dx_gluon", "_mhc_params_bwd", "_mhc_combine_bwd")
 
 # GPU launch geometry per kernel (tokens per program BT, channel tiles BK / BD, the number of splits of K or of
 # the tokens SPLITS, warps, software-pipelining stages; STATES / PIECES: kernel_bwd) and the product modes; TUNE
@@ -90,6 +90,7 @@ GPU_CONFIG: dict[str, dict[str, int]] = {
     "proj_gluon": {"BT": 128, "BK": 64, "SPLITS": 4, "STAGES": 4, "num_warps": 8},
     "pre_fwd": {"BT": 4, "BD": 512, "num_warps": 8},
     "pre_bwd": {"BT": 32, "BD": 256, "num_warps": 8, "STATES": 1},
+    "gates": {"SPLIT": 0, "BT": 4, "BD": 512, "num_warps": 8, "PREFETCH": 1, "LANES": 1, "SINKHORN_BT": 32},
     "dx": {"BT": 32, "BD": 64, "SPLITS": 8, "num_warps": 4, "num_stages": 3, "maxnreg": 128, "PIECES": 1,
            "PREFETCH": 1},
     "dx_gluon": {"BT": 32, "BD": 64, "SPLITS": 8, "STAGES": 3, "num_warps": 4},
@@ -116,6 +117,10 @@ GEOMETRY_VARIANTS: tuple[dict[str, dict[str, int]], ...] = (
                                 {"BD": 128, "num_warps": 8}, {"BD": 128, "num_warps": 8, "STAGES": 2})),
     *({"pre_bwd": c} for c in ({"STATES": 0}, {"BT": 8, "num_warps": 4}, {"BT": 16}, {"BT": 64},
                                {"num_warps": 4})),
+    # gates: the first pass and the Sinkhorn backward in one grid (``kernel_bwd._mhc_gates_bwd``)
+    *({"gates": c} for c in ({"SPLIT": 1}, {"SPLIT": 1, "SINKHORN_BT": 16}, {"SPLIT": 1, "SINKHORN_BT": 64},
+                             {"SPLIT": 1, "BT": 2, "BD": 1024}, {"SPLIT": 1, "LANES": 0}, {"SPLIT": 1, "PREFETCH": 0},
+                             {"SPLIT": 1, "BT": 8, "BD": 256, "num_warps": 4, "SINKHORN_BT": 16})),
     *({"combine_bwd": c} for c in ({"num_warps": 8}, {"BT": 2})),
 )
 # Tile products (``kernel_fwd._dot``): with one bf16-exact operand, the streams ("dot": "bf16x3" or "tf32x3"),
@@ -128,7 +133,7 @@ TUNE: dict[str, Any] = {}  # e.g. {"proj": {"SPLITS": 4}, "dot": "tf32x3"}
 # ``kernel_bwd._mhc_dx_bwd``); "triton" / "gluon" force one kind ("gluon" raises where it cannot run). Under "auto" a
 # ``TUNE["proj"]`` / ``TUNE["dx"]`` entry (a geometry of the Triton kernel, the sweep's) selects that Triton kernel.
 GLUON = "auto"
-HOST_KEYS = ("SPLITS", "VECS", "PIECES")  # launch-geometry keys the host uses (not kernel meta-parameters)
+HOST_KEYS = ("SPLITS", "VECS", "PIECES", "SPLIT")  # launch-geometry keys the host uses (not kernel meta-parameters)
 COMPILER_KEYS = ("num_warps", "num_stages", "maxnreg")  # what the interpreter has no use for
 
 
@@ -157,6 +162,7 @@ def _config(kind: str, n: int, d: int) -> dict[str, int]:
         width = min(_pow2(d), 256)
         cfg = {"proj": {"BT": 128, "BK": min(_pow2(n * d), 1024), "SPLITS": 1},
                "pre_fwd": {"BT": 128, "BD": width}, "pre_bwd": {"BT": 128, "BD": width, "STATES": 1},
+               "gates": {"SPLIT": 0, "BT": 128, "BD": width, "PREFETCH": 0, "LANES": 0, "SINKHORN_BT": 128},
                "dx": {"BT": 128, "BD": width, "SPLITS": 1, "PIECES": 1, "PREFETCH": 1},
                "params": {"BLOCK": 4096, "BB": 64},
                "combine_fwd": {"BT": 64, "BD": width}, "combine_bwd": {"BT": 64, "BD": width, "V": 4}}[kind]
@@ -335,11 +341,21 @@ def pre_backward(x: Any, fn_w: Any, base: Any, scale: Any, mix: Any, r: Any, d_p
         pre = empty_like(x, shape=[t, p], dtype=f32)
         states = not head and iterations > 1 and bool(cfg["STATES"])
         scratch = empty_like(x, shape=[t, 2 * iterations - 1, p, p], dtype=f32) if states else dz
+        cfg_gates = _config("gates", n, d)
+        split = bool(cfg_gates["SPLIT"])
+        d_pre = empty_like(x, shape=[t, p], dtype=f32) if split else dz
+        if split:
+            sinkhorn_blocks = 0 if head else triton.cdiv(t, cfg_gates["SINKHORN_BT"])
+            launch(_mhc_gates_bwd, (sinkhorn_blocks + triton.cdiv(t, cfg_gates["BT"]),), detached(x), detached(d_y),
+                   d_pre, detached(base), detached(scale), detached(mix), detached(d_y if head else d_post),
+                   detached(d_y if head else d_comb), dz, scratch, t, float(eps), sinkhorn_blocks, N=n, P=p, D=d,
+                   NOUT=nout, ITERS=iterations, HEAD=bool(head), STATES=states, **_meta(cfg_gates))
         launch(
             _mhc_pre_bwd, (blocks,),
             detached(x), detached(base), detached(scale), detached(mix), detached(r),
             detached(d_y if head else d_post), detached(d_y if head else d_comb), detached(d_y), dz, g, coef, pre,
-            sums, scratch, t, float(eps), **common, **_meta({**cfg, "STATES": states}), PIECES=pieces,
+            sums, scratch, d_pre, t, float(eps), **common, **_meta({**cfg, "STATES": states}), PIECES=pieces,
+            SPLIT=split,
         )
         dx_args = (detached(x), detached(fn_w), g, pre, coef, detached(d_y), g_x, part, t, per)
         grid = (n * triton.cdiv(d, cfg_dx["BD"]), splits)

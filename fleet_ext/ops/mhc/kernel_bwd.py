@@ -37,7 +37,6 @@ from fleet_ext.ops.mhc.kernel_fwd import (
     _sigmoid,
     _softmax_rows,
     _store_rounded,
-    _stream_tile,
     _sum_combine,
 )
 
@@ -95,29 +94,61 @@ def _sinkhorn_bwd_stored(z, g, valid, rows, eps, states, mask, ITERS: tl.constex
 
 
 @triton.jit
+def _gate_tiles(x_ptr, dy_ptr, t, t_mask, d0, N: tl.constexpr, P: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
+    """Channels ``[d0, d0 + BD)`` of the first pass as stored: the streams [BT, P, BD] (padded streams 0) and
+    ``g_y`` [BT, BD]; past ``D`` nothing is read."""
+    d = d0 + tl.arange(0, BD)
+    d_mask = d < D
+    j = tl.arange(0, P)[None, :, None]
+    x = tl.load(x_ptr + t[:, None, None] * (N * D) + j * D + d[None, None, :],
+                mask=t_mask[:, None, None] & (j < N) & d_mask[None, None, :], other=0.0)
+    dy = tl.load(dy_ptr + t[:, None] * D + d[None, :], mask=t_mask[:, None] & d_mask[None, :], other=0.0)
+    return x, dy
+
+
+@triton.jit
 def _gate_grad_pass(x_ptr, dy_ptr, t, t_mask, N: tl.constexpr, P: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
-                    BD: tl.constexpr):
-    """``g_pre [BT, P] = sum_d g_y[t, d] x[t, j, d]`` (first pass over the streams)."""
+                    BD: tl.constexpr, PREFETCH: tl.constexpr, LANES: tl.constexpr):
+    """``g_pre [BT, P] = sum_d g_y[t, d] x[t, j, d]`` (first pass over the streams). With ``PREFETCH`` the next
+    channel tile is loaded before this one is reduced (the compiler pipelines only loads that feed a tensor-core
+    product): the same sums in the same order. ``LANES``: each channel lane sums its products over the tiles and the
+    lanes are added once at the end (no cross-thread reduction per tile; another order)."""
     acc = tl.zeros([BT, P], dtype=tl.float32)
-    for d0 in range(0, D, BD):
-        d = d0 + tl.arange(0, BD)
-        d_mask = d < D
-        dy = tl.load(dy_ptr + t[:, None] * D + d[None, :], mask=t_mask[:, None] & d_mask[None, :], other=0.0)
-        acc += tl.sum(_stream_tile(x_ptr, t, t_mask, d, d_mask, N, P, D) * dy.to(tl.float32)[:, None, :], axis=2)
+    lanes = tl.zeros([BT, P, BD], dtype=tl.float32)
+    if PREFETCH:
+        x_next, dy_next = _gate_tiles(x_ptr, dy_ptr, t, t_mask, 0, N, P, D, BD)
+        for d0 in range(0, D, BD):
+            x, dy = x_next, dy_next
+            x_next, dy_next = _gate_tiles(x_ptr, dy_ptr, t, t_mask, d0 + BD, N, P, D, BD)
+            if LANES:
+                lanes += x.to(tl.float32) * dy.to(tl.float32)[:, None, :]
+            else:
+                acc += tl.sum(x.to(tl.float32) * dy.to(tl.float32)[:, None, :], axis=2)
+    else:
+        for d0 in range(0, D, BD):
+            x, dy = _gate_tiles(x_ptr, dy_ptr, t, t_mask, d0, N, P, D, BD)
+            if LANES:
+                lanes += x.to(tl.float32) * dy.to(tl.float32)[:, None, :]
+            else:
+                acc += tl.sum(x.to(tl.float32) * dy.to(tl.float32)[:, None, :], axis=2)
+    if LANES:
+        acc = tl.sum(lanes, axis=2)
     return acc
 
 
 @triton.jit
 def _logit_grads(mix_ptr, base_ptr, scale_ptr, dpost_ptr, dcomb_ptr, dz_ptr, states_ptr, d_pre, t, t_mask, eps,
                  N: tl.constexpr, P: tl.constexpr, NOUT: tl.constexpr, ITERS: tl.constexpr, HEAD: tl.constexpr,
-                 STATES: tl.constexpr):
-    """Store ``g_z`` [T, NOUT]: the gates' backward (sigmoid, 2 sigmoid, Sinkhorn) from their output gradients."""
+                 STATES: tl.constexpr, PARTS: tl.constexpr):
+    """Store ``g_z`` [T, NOUT]: the gates' backward from their output gradients; ``PARTS`` 1: the pre gate's
+    (sigmoid, from ``d_pre``), 2: the post gate's and the Sinkhorn's (2 sigmoid, Sinkhorn), 3: both."""
     p = tl.arange(0, P)[None, :]
     tt = t[:, None]
     tm = t_mask[:, None] & (p < N)
-    s = _sigmoid(_logits(mix_ptr, base_ptr, scale_ptr, tt, t_mask[:, None], p, p < N, 0, NOUT))
-    tl.store(dz_ptr + tt * NOUT + p, d_pre * s * (1.0 - s), mask=tm)
-    if not HEAD:
+    if PARTS & 1:
+        s = _sigmoid(_logits(mix_ptr, base_ptr, scale_ptr, tt, t_mask[:, None], p, p < N, 0, NOUT))
+        tl.store(dz_ptr + tt * NOUT + p, d_pre * s * (1.0 - s), mask=tm)
+    if not HEAD and (PARTS & 2):
         s = _sigmoid(_logits(mix_ptr, base_ptr, scale_ptr, tt, t_mask[:, None], N + p, p < N, 1, NOUT))
         d_post = tl.load(dpost_ptr + tt * N + p, mask=tm, other=0.0)
         tl.store(dz_ptr + tt * NOUT + N + p, (2.0 * d_post) * s * (1.0 - s), mask=tm)
@@ -135,24 +166,55 @@ def _logit_grads(mix_ptr, base_ptr, scale_ptr, dpost_ptr, dcomb_ptr, dz_ptr, sta
 
 
 @triton.jit
+def _mhc_gates_bwd(
+    x_ptr, dy_ptr, dpre_ptr, base_ptr, scale_ptr, mix_ptr, dpost_ptr, dcomb_ptr, dz_ptr, states_ptr, T, eps,
+    SINKHORN_BLOCKS, N: tl.constexpr, P: tl.constexpr, D: tl.constexpr, NOUT: tl.constexpr, ITERS: tl.constexpr,
+    HEAD: tl.constexpr, STATES: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, PREFETCH: tl.constexpr,
+    LANES: tl.constexpr, SINKHORN_BT: tl.constexpr,
+):
+    """The pre backward's two independent parts in one grid (``_mhc_pre_bwd`` with ``SPLIT`` does the rest):
+    programs ``[0, SINKHORN_BLOCKS)`` the post gate's and the Sinkhorn's backward of SINKHORN_BT tokens each into
+    ``g_z`` (a latency-bound chain of small steps, a few bytes), the others the first pass over the streams, BT
+    tokens each, into ``g_pre`` [T, P] (bandwidth-bound). One after the other in one program the SMs' memory pipe
+    idles during the chain (measured: 155 + 78 us); in one grid the streaming programs fill the SMs around the
+    chains."""
+    pid = tl.program_id(0)
+    if pid < SINKHORN_BLOCKS:
+        ts = pid.to(tl.int64) * SINKHORN_BT + tl.arange(0, SINKHORN_BT)  # (names differ by branch: shapes differ)
+        _logit_grads(mix_ptr, base_ptr, scale_ptr, dpost_ptr, dcomb_ptr, dz_ptr, states_ptr, 0.0, ts, ts < T, eps,
+                     N, P, NOUT, ITERS, HEAD, STATES, 2)
+    else:
+        t = (pid - SINKHORN_BLOCKS).to(tl.int64) * BT + tl.arange(0, BT)
+        t_mask = t < T
+        d_pre = _gate_grad_pass(x_ptr, dy_ptr, t, t_mask, N, P, D, BT, BD, PREFETCH, LANES)
+        tl.store(dpre_ptr + t[:, None] * P + tl.arange(0, P)[None, :], d_pre, mask=t_mask[:, None])
+
+
+@triton.jit
 def _mhc_pre_bwd(
     x_ptr, base_ptr, scale_ptr, mix_ptr, r_ptr, dpost_ptr, dcomb_ptr, dy_ptr, dz_ptr, g_ptr, coef_ptr, pre_ptr,
-    sums_ptr, states_ptr, T, eps,
+    sums_ptr, states_ptr, dpre_ptr, T, eps,
     N: tl.constexpr, P: tl.constexpr, D: tl.constexpr, NOUT: tl.constexpr, NO: tl.constexpr,
     ITERS: tl.constexpr, HEAD: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, STATES: tl.constexpr,
-    PIECES: tl.constexpr,
+    PIECES: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """BT tokens: g_pre (one pass over the streams), the logits' gradient ``g_z`` (stored, read back after a
     barrier), then per token what the streams' gradient needs (``_mhc_dx_bwd``): ``G = g_mix r`` [T, NO] (0 past
     NOUT; with ``PIECES`` its three bf16 pieces [3, T, NO]), ``coef`` [T] and the pre gate [T, P]; and this
     block's sums of ``g_z`` and ``g_z mix`` (``sums``). ``STATES``: the Sinkhorn backward stores its states to
-    ``states_ptr`` [T, 2 ITERS - 1, P, P] instead of recomputing them (``_sinkhorn_bwd_stored``)."""
+    ``states_ptr`` [T, 2 ITERS - 1, P, P] instead of recomputing them (``_sinkhorn_bwd_stored``). ``SPLIT``:
+    ``_mhc_gates_bwd`` ran first (``g_pre`` at ``dpre_ptr`` [T, P], the post and Sinkhorn parts of ``g_z``
+    stored), so only the pre gate's part is left here."""
     pid = tl.program_id(0)
     t = pid.to(tl.int64) * BT + tl.arange(0, BT)
     t_mask = t < T
-    d_pre = _gate_grad_pass(x_ptr, dy_ptr, t, t_mask, N, P, D, BT, BD)
+    if SPLIT:
+        p = tl.arange(0, P)[None, :]
+        d_pre = tl.load(dpre_ptr + t[:, None] * P + p, mask=t_mask[:, None], other=0.0)
+    else:
+        d_pre = _gate_grad_pass(x_ptr, dy_ptr, t, t_mask, N, P, D, BT, BD, 0, 0)
     _logit_grads(mix_ptr, base_ptr, scale_ptr, dpost_ptr, dcomb_ptr, dz_ptr, states_ptr, d_pre, t, t_mask, eps, N,
-                 P, NOUT, ITERS, HEAD, STATES)
+                 P, NOUT, ITERS, HEAD, STATES, 1 if SPLIT else 3)
     tl.debug_barrier()  # g_z is read back as [BT, NO] rows (other threads' stores)
     c = tl.arange(0, NO)
     mask = t_mask[:, None] & (c < NOUT)[None, :]
