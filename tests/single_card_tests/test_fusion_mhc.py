@@ -172,7 +172,8 @@ def test_two_runs_are_byte_identical_and_no_grad_runs_the_same_forward(monkeypat
         assert_bitwise(value.numpy(), first[key], f"no_grad {key}")
 
 
-def test_split_pre_backward_gives_the_same_bytes(monkeypatch):
+@pytest.mark.parametrize("iterations", [3, 20])
+def test_split_pre_backward_gives_the_same_bytes(monkeypatch, iterations):
     """The pre backward split (``gates`` SPLIT: ``_mhc_gates_bwd`` runs the first pass over the streams and the
     Sinkhorn backward side by side, ``_mhc_pre_bwd`` the rest), in the pre op and the head, the pass with and
     without its prefetch of the next channel tile, Sinkhorn blocks of another size than the pass's: the same sums in
@@ -180,19 +181,20 @@ def test_split_pre_backward_gives_the_same_bytes(monkeypatch):
     partial last one; ragged token blocks); with ``LANES`` within the tolerance of the reference."""
     arrays, cot = _inputs(1, 19, 4, 40, seed=5)
     monkeypatch.setattr(kernel, "TUNE", {"pre_bwd": {"BT": 16, "BD": 16}})
-    first = _run(function, arrays, cot, 20, 1e-6)
-    for gates in ({"BT": 16, "BD": 16, "SINKHORN_BT": 16}, {"BT": 8, "BD": 16, "PREFETCH": 1, "SINKHORN_BT": 4}):
+    first = _run(function, arrays, cot, iterations, 1e-6)
+    for gates in ({"BT": 16, "BD": 16, "SINKHORN_BT": 16},
+                  {"BT": 8, "BD": 16, "PREFETCH": 1, "SINKHORN_BT": 4}):
         tune = {"pre_bwd": {"BT": 16, "BD": 16}, "gates": {"SPLIT": 1, **gates}}
         monkeypatch.setattr(kernel, "TUNE", tune)
         with expect_launches("_mhc_gates_bwd", "_mhc_pre_bwd", exactly=2):  # the pre op and the head
-            got = _run(function, arrays, cot, 20, 1e-6)
+            got = _run(function, arrays, cot, iterations, 1e-6)
         for key in first:
             assert_bitwise(got[key], first[key], f"{tune}: {key}")
     # LANES (the GPU default): each channel lane sums over the tiles, the lanes are added at the end: another order
-    want = _run(reference, arrays, cot, 20, 1e-6)
+    want = _run(reference, arrays, cot, iterations, 1e-6)
     monkeypatch.setattr(kernel, "TUNE", {"gates": {"SPLIT": 1, "BT": 8, "BD": 16, "LANES": 1, "PREFETCH": 1}})
     with expect_launches("_mhc_gates_bwd", "_mhc_pre_bwd", exactly=2):
-        got = _run(function, arrays, cot, 20, 1e-6)
+        got = _run(function, arrays, cot, iterations, 1e-6)
     for key in want:
         assert_close(got[key], want[key], "fp32", "mhc_fused_gain" if key.endswith("scale") else "mhc_fused", what=key)
 

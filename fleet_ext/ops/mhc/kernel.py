@@ -15,13 +15,16 @@ in V4-Flash); everything else per token is tiny (24 mixing logits, an n x n matr
   materialises never exist. The head (``mhc_head``) runs the same two kernels without post / Sinkhorn.
 - *combine forward* (``_mhc_combine_fwd``): ``X'_k = post_k f + sum_j comb[j, k] X_j`` on [tokens, D] tiles:
   one read of X and f, one write of X'. It cannot join the pre kernels: the attention or MLP block runs between.
-- *pre backward*, three kernels. ``_mhc_pre_bwd`` per token block: ``g_pre`` (a pass over X and ``g_y``), the
-  gates' and Sinkhorn's backward (its 2 ITERS - 1 states stored once to a scratch buffer, or recomputed per step
-  with ``STATES`` 0), then per token what the streams' gradient needs (``G = g_mix r``, a scalar, the pre gate)
-  and the block's sums for ``g_base`` / ``g_scale``. ``_mhc_dx_bwd``: one channel tile of one stream (``fn``'s
-  slab loaded once) over a run of tokens, in order: the streams' gradient (the second pass over X) and that run's
-  share of ``g_fn = G^T X`` (``SPLITS`` runs), accumulated as ``X^T G`` so that both products are Hopper
-  warp-group MMAs. ``_mhc_params_bwd``: the shares of ``g_fn`` and the blocks' sums added in a fixed order.
+- *pre backward*, four kernels (three with ``gates`` SPLIT 0, the interpreter's default). ``_mhc_gates_bwd``: in
+  one grid, ``g_pre`` (a pass over X and ``g_y``, bandwidth-bound) and the post gate's and Sinkhorn's backward
+  (latency-bound; its 2 ITERS - 1 states stored once to a scratch buffer, or recomputed per step with ``STATES``
+  0), so that each kind of program runs beside the other. ``_mhc_pre_bwd`` per token block: the pre gate's
+  backward, then per token what the streams' gradient needs (``G = g_mix r``, a scalar, the pre gate) and the
+  block's sums for ``g_base`` / ``g_scale`` (with SPLIT 0 it runs the pass and the Sinkhorn's backward first).
+  ``_mhc_dx_bwd``: one channel tile of one stream (``fn``'s slab loaded once) over a run of tokens, in order: the
+  streams' gradient (the second pass over X) and that run's share of ``g_fn = G^T X`` (``SPLITS`` runs), accumulated
+  as ``X^T G`` so that both products are Hopper warp-group MMAs. ``_mhc_params_bwd``: the shares of ``g_fn`` and the
+  blocks' sums added in a fixed order.
 - *combine backward* (``_mhc_combine_bwd``): BT tokens per program (1 on a GPU) over all their channels: one
   read of X, the output gradient and f, one write of ``g_x`` and ``g_f``; ``g_post`` and ``g_comb`` (sums over
   D) are summed inside each thread across the channel tiles and across threads once at the end, in order.
@@ -82,15 +85,17 @@ KERNELS = ("_mhc_proj_fwd", "_mhc_fn_pieces", "_mhc_proj_gluon", "_mhc_pre_fwd",
 # dx PREFETCH (g_y a tile ahead) with 3 stages 826 -> 778 (with 4 stages it spills: 1008); run 8: the Gluon dx
 # (``dx_gluon``, Hopper, bf16, n = 4) 777 -> 684, its 2 / 4 stages 689 / 707, 128 channels on 8 warps 704; run 9:
 # the Gluon projection (``proj_gluon``) makes the forward 354 -> 342 us, 333 with 4 splits (3 / 6 stages 344 / 369,
-# 64 tokens on 4 warps 347, 16 splits 353). Combine
+# 64 tokens on 4 warps 347, 16 splits 353); run 10: the pre backward's pass and Sinkhorn backward in one grid
+# (``gates`` SPLIT, 16-token Sinkhorn blocks) and its tail in 128-token blocks: 236 + 25 -> 210 + 5 + 9 us of kernels
+# (the pass alone 155, the Sinkhorn backward alone 78; states loaded three steps ahead: no gain). Combine
 # backward: 449 us at one token and 4 warps per program, its variants 452-497; its BD is a multiple of
 # 32 x num_warps x the 16-byte vector, which its layout needs (``kernel_bwd._mhc_combine_bwd``).
 GPU_CONFIG: dict[str, dict[str, int]] = {
     "proj": {"BT": 256, "BK": 64, "SPLITS": 8, "num_warps": 8},
     "proj_gluon": {"BT": 128, "BK": 64, "SPLITS": 4, "STAGES": 4, "num_warps": 8},
     "pre_fwd": {"BT": 4, "BD": 512, "num_warps": 8},
-    "pre_bwd": {"BT": 32, "BD": 256, "num_warps": 8, "STATES": 1},
-    "gates": {"SPLIT": 0, "BT": 4, "BD": 512, "num_warps": 8, "PREFETCH": 1, "LANES": 1, "SINKHORN_BT": 32},
+    "pre_bwd": {"BT": 128, "BD": 256, "num_warps": 8, "STATES": 1},
+    "gates": {"SPLIT": 1, "BT": 4, "BD": 512, "num_warps": 8, "PREFETCH": 1, "LANES": 1, "SINKHORN_BT": 16},
     "dx": {"BT": 32, "BD": 64, "SPLITS": 8, "num_warps": 4, "num_stages": 3, "maxnreg": 128, "PIECES": 1,
            "PREFETCH": 1},
     "dx_gluon": {"BT": 32, "BD": 64, "SPLITS": 8, "STAGES": 3, "num_warps": 4},
@@ -115,12 +120,13 @@ GEOMETRY_VARIANTS: tuple[dict[str, dict[str, int]], ...] = (
                           {})),  # {}: the Triton kernel at its defaults (a "dx" entry selects it)
     *({"dx_gluon": c} for c in ({"STAGES": 2}, {"STAGES": 4}, {"SPLITS": 4}, {"SPLITS": 16},
                                 {"BD": 128, "num_warps": 8}, {"BD": 128, "num_warps": 8, "STAGES": 2})),
-    *({"pre_bwd": c} for c in ({"STATES": 0}, {"BT": 8, "num_warps": 4}, {"BT": 16}, {"BT": 64},
-                               {"num_warps": 4})),
-    # gates: the first pass and the Sinkhorn backward in one grid (``kernel_bwd._mhc_gates_bwd``)
-    *({"gates": c} for c in ({"SPLIT": 1}, {"SPLIT": 1, "SINKHORN_BT": 16}, {"SPLIT": 1, "SINKHORN_BT": 64},
-                             {"SPLIT": 1, "BT": 2, "BD": 1024}, {"SPLIT": 1, "LANES": 0}, {"SPLIT": 1, "PREFETCH": 0},
-                             {"SPLIT": 1, "BT": 8, "BD": 256, "num_warps": 4, "SINKHORN_BT": 16})),
+    # pre_bwd: with gates SPLIT (the default) only its tail (the pre gate's part, G, coef, the blocks' sums)
+    *({"pre_bwd": c} for c in ({"STATES": 0}, {"BT": 32}, {"BT": 64, "num_warps": 4})),
+    # gates: the first pass and the Sinkhorn backward in one grid (``kernel_bwd._mhc_gates_bwd``); SPLIT 0: both in
+    # _mhc_pre_bwd, one after the other per token block (its own run-9 geometry)
+    *({"gates": c} for c in ({"SINKHORN_BT": 32}, {"SINKHORN_BT": 8}, {"BT": 2, "BD": 1024}, {"LANES": 0},
+                             {"PREFETCH": 0}, {"BT": 8, "BD": 256, "num_warps": 4})),
+    {"gates": {"SPLIT": 0}, "pre_bwd": {"BT": 32}},
     *({"combine_bwd": c} for c in ({"num_warps": 8}, {"BT": 2})),
 )
 # Tile products (``kernel_fwd._dot``): with one bf16-exact operand, the streams ("dot": "bf16x3" or "tf32x3"),
