@@ -178,12 +178,14 @@ def test_split_pre_backward_gives_the_same_bytes(monkeypatch, iterations):
     Sinkhorn backward side by side, ``_mhc_pre_bwd`` the rest), in the pre op and the head, the pass with and
     without its prefetch of the next channel tile, Sinkhorn blocks of another size than the pass's: the same sums in
     the same order, so every output and gradient byte-equal to the one-kernel pre backward (three channel tiles, a
-    partial last one; ragged token blocks); with ``LANES`` within the tolerance of the reference."""
+    partial last one; ragged token blocks; Sinkhorn programs interleaved with the pass's); with ``LANES`` within the
+    tolerance of the reference."""
     arrays, cot = _inputs(1, 19, 4, 40, seed=5)
     monkeypatch.setattr(kernel, "TUNE", {"pre_bwd": {"BT": 16, "BD": 16}})
     first = _run(function, arrays, cot, iterations, 1e-6)
     for gates in ({"BT": 16, "BD": 16, "SINKHORN_BT": 16},
-                  {"BT": 8, "BD": 16, "PREFETCH": 1, "SINKHORN_BT": 4}):
+                  {"BT": 8, "BD": 16, "PREFETCH": 1, "SINKHORN_BT": 4},
+                  {"BT": 4, "BD": 16, "SINKHORN_BT": 8, "INTERLEAVE": 1}):
         tune = {"pre_bwd": {"BT": 16, "BD": 16}, "gates": {"SPLIT": 1, **gates}}
         monkeypatch.setattr(kernel, "TUNE", tune)
         with expect_launches("_mhc_gates_bwd", "_mhc_pre_bwd", exactly=2):  # the pre op and the head

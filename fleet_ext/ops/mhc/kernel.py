@@ -87,7 +87,8 @@ KERNELS = ("_mhc_proj_fwd", "_mhc_fn_pieces", "_mhc_proj_gluon", "_mhc_pre_fwd",
 # the Gluon projection (``proj_gluon``) makes the forward 354 -> 342 us, 333 with 4 splits (3 / 6 stages 344 / 369,
 # 64 tokens on 4 warps 347, 16 splits 353); run 10: the pre backward's pass and Sinkhorn backward in one grid
 # (``gates`` SPLIT, 16-token Sinkhorn blocks) and its tail in 128-token blocks: 236 + 25 -> 210 + 5 + 9 us of kernels
-# (the pass alone 155, the Sinkhorn backward alone 78; states loaded three steps ahead: no gain). Combine
+# (the pass alone 155, the Sinkhorn backward alone 78; states loaded three steps ahead: no gain; the Sinkhorn
+# programs interleaved with the pass's, INTERLEAVE: 1.3 %, under the margin). Combine
 # backward: 449 us at one token and 4 warps per program, its variants 452-497; its BD is a multiple of
 # 32 x num_warps x the 16-byte vector, which its layout needs (``kernel_bwd._mhc_combine_bwd``).
 GPU_CONFIG: dict[str, dict[str, int]] = {
@@ -95,7 +96,8 @@ GPU_CONFIG: dict[str, dict[str, int]] = {
     "proj_gluon": {"BT": 128, "BK": 64, "SPLITS": 4, "STAGES": 4, "num_warps": 8},
     "pre_fwd": {"BT": 4, "BD": 512, "num_warps": 8},
     "pre_bwd": {"BT": 128, "BD": 256, "num_warps": 8, "STATES": 1},
-    "gates": {"SPLIT": 1, "BT": 4, "BD": 512, "num_warps": 8, "PREFETCH": 1, "LANES": 1, "SINKHORN_BT": 16},
+    "gates": {"SPLIT": 1, "BT": 4, "BD": 512, "num_warps": 8, "PREFETCH": 1, "LANES": 1, "SINKHORN_BT": 16,
+              "INTERLEAVE": 0},
     "dx": {"BT": 32, "BD": 64, "SPLITS": 8, "num_warps": 4, "num_stages": 3, "maxnreg": 128, "PIECES": 1,
            "PREFETCH": 1},
     "dx_gluon": {"BT": 32, "BD": 64, "SPLITS": 8, "STAGES": 3, "num_warps": 4},
@@ -124,7 +126,8 @@ GEOMETRY_VARIANTS: tuple[dict[str, dict[str, int]], ...] = (
     *({"pre_bwd": c} for c in ({"STATES": 0}, {"BT": 32}, {"BT": 64, "num_warps": 4})),
     # gates: the first pass and the Sinkhorn backward in one grid (``kernel_bwd._mhc_gates_bwd``); SPLIT 0: both in
     # _mhc_pre_bwd, one after the other per token block (its own run-9 geometry)
-    *({"gates": c} for c in ({"SINKHORN_BT": 32}, {"SINKHORN_BT": 8}, {"BT": 2, "BD": 1024}, {"LANES": 0},
+    *({"gates": c} for c in ({"INTERLEAVE": 1}, {"INTERLEAVE": 1, "SINKHORN_BT": 32}, {"SINKHORN_BT": 32},
+                             {"SINKHORN_BT": 8}, {"BT": 2, "BD": 1024}, {"LANES": 0},
                              {"PREFETCH": 0}, {"BT": 8, "BD": 256, "num_warps": 4})),
     {"gates": {"SPLIT": 0}, "pre_bwd": {"BT": 32}},
     *({"combine_bwd": c} for c in ({"num_warps": 8}, {"BT": 2})),
@@ -139,7 +142,8 @@ TUNE: dict[str, Any] = {}  # e.g. {"proj": {"SPLITS": 4}, "dot": "tf32x3"}
 # ``kernel_bwd._mhc_dx_bwd``); "triton" / "gluon" force one kind ("gluon" raises where it cannot run). Under "auto" a
 # ``TUNE["proj"]`` / ``TUNE["dx"]`` entry (a geometry of the Triton kernel, the sweep's) selects that Triton kernel.
 GLUON = "auto"
-HOST_KEYS = ("SPLITS", "VECS", "PIECES", "SPLIT")  # launch-geometry keys the host uses (not kernel meta-parameters)
+# launch-geometry keys the host uses (not kernel meta-parameters)
+HOST_KEYS = ("SPLITS", "VECS", "PIECES", "SPLIT", "INTERLEAVE")
 COMPILER_KEYS = ("num_warps", "num_stages", "maxnreg")  # what the interpreter has no use for
 
 
@@ -168,7 +172,8 @@ def _config(kind: str, n: int, d: int) -> dict[str, int]:
         width = min(_pow2(d), 256)
         cfg = {"proj": {"BT": 128, "BK": min(_pow2(n * d), 1024), "SPLITS": 1},
                "pre_fwd": {"BT": 128, "BD": width}, "pre_bwd": {"BT": 128, "BD": width, "STATES": 1},
-               "gates": {"SPLIT": 0, "BT": 128, "BD": width, "PREFETCH": 0, "LANES": 0, "SINKHORN_BT": 128},
+               "gates": {"SPLIT": 0, "BT": 128, "BD": width, "PREFETCH": 0, "LANES": 0, "SINKHORN_BT": 128,
+                         "INTERLEAVE": 0},
                "dx": {"BT": 128, "BD": width, "SPLITS": 1, "PIECES": 1, "PREFETCH": 1},
                "params": {"BLOCK": 4096, "BB": 64},
                "combine_fwd": {"BT": 64, "BD": width}, "combine_bwd": {"BT": 64, "BD": width, "V": 4}}[kind]
@@ -352,10 +357,12 @@ def pre_backward(x: Any, fn_w: Any, base: Any, scale: Any, mix: Any, r: Any, d_p
         d_pre = empty_like(x, shape=[t, p], dtype=f32) if split else dz
         if split:
             sinkhorn_blocks = 0 if head else triton.cdiv(t, cfg_gates["SINKHORN_BT"])
-            launch(_mhc_gates_bwd, (sinkhorn_blocks + triton.cdiv(t, cfg_gates["BT"]),), detached(x), detached(d_y),
-                   d_pre, detached(base), detached(scale), detached(mix), detached(d_y if head else d_post),
-                   detached(d_y if head else d_comb), dz, scratch, t, float(eps), sinkhorn_blocks, N=n, P=p, D=d,
-                   NOUT=nout, ITERS=iterations, HEAD=bool(head), STATES=states, **_meta(cfg_gates))
+            programs = sinkhorn_blocks + triton.cdiv(t, cfg_gates["BT"])
+            every = programs // sinkhorn_blocks if cfg_gates["INTERLEAVE"] and sinkhorn_blocks else 1
+            launch(_mhc_gates_bwd, (programs,), detached(x), detached(d_y), d_pre, detached(base), detached(scale),
+                   detached(mix), detached(d_y if head else d_post), detached(d_y if head else d_comb), dz, scratch,
+                   t, float(eps), sinkhorn_blocks, N=n, P=p, D=d, NOUT=nout, ITERS=iterations, HEAD=bool(head),
+                   STATES=states, EVERY=every, **_meta(cfg_gates))
         launch(
             _mhc_pre_bwd, (blocks,),
             detached(x), detached(base), detached(scale), detached(mix), detached(r),

@@ -170,21 +170,21 @@ def _mhc_gates_bwd(
     x_ptr, dy_ptr, dpre_ptr, base_ptr, scale_ptr, mix_ptr, dpost_ptr, dcomb_ptr, dz_ptr, states_ptr, T, eps,
     SINKHORN_BLOCKS, N: tl.constexpr, P: tl.constexpr, D: tl.constexpr, NOUT: tl.constexpr, ITERS: tl.constexpr,
     HEAD: tl.constexpr, STATES: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, PREFETCH: tl.constexpr,
-    LANES: tl.constexpr, SINKHORN_BT: tl.constexpr,
+    LANES: tl.constexpr, SINKHORN_BT: tl.constexpr, EVERY: tl.constexpr,
 ):
     """The pre backward's two independent parts in one grid (``_mhc_pre_bwd`` with ``SPLIT`` does the rest):
-    programs ``[0, SINKHORN_BLOCKS)`` the post gate's and the Sinkhorn's backward of SINKHORN_BT tokens each into
+    SINKHORN_BLOCKS programs run the post gate's and the Sinkhorn's backward of SINKHORN_BT tokens each into
     ``g_z`` (a latency-bound chain of small steps, a few bytes), the others the first pass over the streams, BT
     tokens each, into ``g_pre`` [T, P] (bandwidth-bound). One after the other in one program the SMs' memory pipe
     idles during the chain (measured: 155 + 78 us); in one grid the streaming programs fill the SMs around the
-    chains."""
+    chains. The Sinkhorn programs are ``0, EVERY, 2 EVERY, ...`` (EVERY 1: the first SINKHORN_BLOCKS)."""
     pid = tl.program_id(0)
-    if pid < SINKHORN_BLOCKS:
-        ts = pid.to(tl.int64) * SINKHORN_BT + tl.arange(0, SINKHORN_BT)  # (names differ by branch: shapes differ)
+    if pid % EVERY == 0 and pid // EVERY < SINKHORN_BLOCKS:
+        ts = (pid // EVERY).to(tl.int64) * SINKHORN_BT + tl.arange(0, SINKHORN_BT)  # (names differ by branch)
         _logit_grads(mix_ptr, base_ptr, scale_ptr, dpost_ptr, dcomb_ptr, dz_ptr, states_ptr, 0.0, ts, ts < T, eps,
                      N, P, NOUT, ITERS, HEAD, STATES, 2)
-    else:
-        t = (pid - SINKHORN_BLOCKS).to(tl.int64) * BT + tl.arange(0, BT)
+    else:  # stream block: pid less the Sinkhorn programs before it
+        t = (pid - tl.minimum(pid // EVERY + 1, SINKHORN_BLOCKS)).to(tl.int64) * BT + tl.arange(0, BT)
         t_mask = t < T
         d_pre = _gate_grad_pass(x_ptr, dy_ptr, t, t_mask, N, P, D, BT, BD, PREFETCH, LANES)
         tl.store(dpre_ptr + t[:, None] * P + tl.arange(0, P)[None, :], d_pre, mask=t_mask[:, None])
