@@ -117,20 +117,17 @@ def _gate_grad_pass(x_ptr, dy_ptr, t, t_mask, N: tl.constexpr, P: tl.constexpr, 
     lanes = tl.zeros([BT, P, BD], dtype=tl.float32)
     if PREFETCH:
         x_next, dy_next = _gate_tiles(x_ptr, dy_ptr, t, t_mask, 0, N, P, D, BD)
-        for d0 in range(0, D, BD):
+    for d0 in range(0, D, BD):
+        if PREFETCH:
             x, dy = x_next, dy_next
             x_next, dy_next = _gate_tiles(x_ptr, dy_ptr, t, t_mask, d0 + BD, N, P, D, BD)
-            if LANES:
-                lanes += x.to(tl.float32) * dy.to(tl.float32)[:, None, :]
-            else:
-                acc += tl.sum(x.to(tl.float32) * dy.to(tl.float32)[:, None, :], axis=2)
-    else:
-        for d0 in range(0, D, BD):
+        else:
             x, dy = _gate_tiles(x_ptr, dy_ptr, t, t_mask, d0, N, P, D, BD)
-            if LANES:
-                lanes += x.to(tl.float32) * dy.to(tl.float32)[:, None, :]
-            else:
-                acc += tl.sum(x.to(tl.float32) * dy.to(tl.float32)[:, None, :], axis=2)
+        products = x.to(tl.float32) * dy.to(tl.float32)[:, None, :]
+        if LANES:
+            lanes += products
+        else:
+            acc += tl.sum(products, axis=2)
     if LANES:
         acc = tl.sum(lanes, axis=2)
     return acc
