@@ -270,7 +270,8 @@ def _kernel_bytes() -> dict[str, float]:
     gradient, ``mix``, ``r`` and ``g_pre`` (read), ``G``'s pieces, ``coef`` and the pre gate (written): ~0.5 KB."""
     xb, yb = T * N * D * 2, T * D * 2
     part = _part_bytes() / 2
-    nout, no = (2 + N) * N, 32
+    nout = (2 + N) * N
+    no = kernel._common(N, D, nout, False, ITERS)["NO"]  # the padded mix width
     split = kernel._config("gates", N, D)["SPLIT"]
     return {"_mhc_proj_fwd": xb + part, "_mhc_proj_gluon": xb + part, "_mhc_pre_fwd": xb + yb + part,
             "_mhc_pre_bwd": T * (4 * (3 * nout + 2 + 2 * N) + 2 * 3 * no) if split else xb + yb,

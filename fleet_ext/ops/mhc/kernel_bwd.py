@@ -114,7 +114,8 @@ def _gate_grad_pass(x_ptr, dy_ptr, t, t_mask, N: tl.constexpr, P: tl.constexpr, 
     product): the same sums in the same order. ``LANES``: each channel lane sums its products over the tiles and the
     lanes are added once at the end (no cross-thread reduction per tile; another order)."""
     acc = tl.zeros([BT, P], dtype=tl.float32)
-    lanes = tl.zeros([BT, P, BD], dtype=tl.float32)
+    if LANES:
+        lanes = tl.zeros([BT, P, BD], dtype=tl.float32)
     if PREFETCH:
         x_next, dy_next = _gate_tiles(x_ptr, dy_ptr, t, t_mask, 0, N, P, D, BD)
     for d0 in range(0, D, BD):
