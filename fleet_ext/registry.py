@@ -317,7 +317,11 @@ FUSIONS: dict[str, Fusion] = {
             switch="moe_router_fusion",
             summary="MoE routing from the scores: biased top-k (ties to the lowest expert id; Paddle's CPU top-k "
             "orders tied experts its own way, so the bitwise claim covers tie-free rows) or the hash lookup, "
-            "renormalised scaled weights, per-expert counts; one forward and one backward kernel",
+            "renormalised scaled weights, per-expert counts; one forward and one backward kernel. With bf16 hidden "
+            "states also the logits GEMM before the scores (bf16 tensor-core products of split operands, fp32 "
+            "accurate, no fp32 copy of the hidden states; weight gradient in a fixed order): not bitwise against "
+            "the library's fp32 GEMM, |err| <= 4x torch fp32's vs float64 on the H200 "
+            "(tests/gpu/test_moe_router_gemm_gpu.py); fp32 hidden states keep Paddle's GEMM",
             fused="fleet_ext.ops.moe_router.function:route",
             reference="fleet_ext.ops.moe_router.reference:route",
             recompute_safe=_yes("tests/single_card_tests/test_fusion_moe_router.py::"

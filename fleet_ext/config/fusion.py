@@ -40,7 +40,8 @@ class FusionConfig(Section):
         False, "Triton MoE permute / unpermute: stable counting sort by expert, gather-based weighted combine."
     )
     moe_router_fusion: bool = _key(
-        False, "Triton MoE router: biased top-k (or hash lookup), renormalised scaled weights and per-expert counts."
+        False, "Triton MoE router: biased top-k (or hash lookup), renormalised scaled weights and per-expert counts; "
+        "with bf16 hidden states also the fp32-accurate logits GEMM."
     )
     moe_expert_fusion: bool = _key(
         False, "Triton grouped expert GEMMs: gate+up with the clamped SwiGLU epilogue, down; deterministic backward."

@@ -56,7 +56,7 @@ capability.prepare_triton()
 import triton.language as tl  # noqa: E402
 
 from fleet_ext.ops.mhc import kernel  # noqa: E402
-from fleet_ext.ops.mhc.kernel_fwd import _bf16_pieces, _dot3, _dot_split  # noqa: E402
+from fleet_ext.ops.split_dot import _bf16_pieces, _dot3, _dot_split  # noqa: E402
 
 
 def median_ms(fn, fast: bool = False) -> float:

@@ -1,7 +1,7 @@
 """Time MoE routing, token movement, the grouped expert GEMMs and the whole layer on a GPU (issue 14).
 
 Run on the H200 (torch + Triton, no Paddle):
-    python scripts/bench/bench_moe.py [--out DIR] [--experts 256 32] [--sections route experts layer]
+    python scripts/bench/bench_moe.py [--out DIR] [--experts 256 32] [--sections route experts router_gemm layer]
     python scripts/bench/bench_moe.py --sections permute --no-compile --diagnose   # the permute section alone
     python scripts/bench/bench_moe.py --warm I/N   # compile shard I of N of the expert GEMMs' candidates, untimed
 
@@ -9,7 +9,8 @@ Run on the H200 (torch + Triton, no Paddle):
 (``cases_moe_experts.py``) time the grouped expert GEMMs against ``torch.matmul`` / ``torch._grouped_mm`` / a dense
 GEMM (with a launch-setting sweep whose winners the rest uses) and the whole MoE layer (T = 8192 and 16384)
 against an eager and a ``_grouped_mm`` mirror; they write moe_experts.md (the RESULTS.md tables) and
-moe_experts.json. Route section:
+moe_experts.json. ``router_gemm`` (``cases_moe_router_gemm.py``) times the router's fp32 logits GEMM and its backward,
+eager against ``moe_router.kernel_gemm``, at the layer's token counts. Route section:
 
 T = 8192 tokens, top-6, D = 4096, bf16 hidden states, fp32 routing, random routing. Per expert count:
 
@@ -44,6 +45,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # repo root, for fleet_ext
 
 import cases_moe_experts  # noqa: E402
+import cases_moe_router_gemm  # noqa: E402
 
 from fleet_ext.ops.moe_permute import kernel as permute_kernel  # noqa: E402
 from fleet_ext.ops.moe_router import kernel as router_kernel  # noqa: E402
@@ -354,12 +356,22 @@ def experts_and_layer(args: argparse.Namespace, header: str) -> None:
         print(cases_moe_experts.sweep_table(gemm))
 
 
+def router_gemm(args: argparse.Namespace, header: str) -> None:
+    """The router logits GEMM table (``cases_moe_router_gemm``): JSON and markdown under ``--out``."""
+    rows = [cases_moe_router_gemm.router_gemm_row(t, e, lambda msg: print(msg, flush=True))
+            for t in args.layer_tokens for e in args.experts]
+    with open(os.path.join(args.out, "moe_router_gemm.json"), "w") as fh:
+        json.dump({"header": header, "rows": rows, "tune": cases_moe_router_gemm.kg.TUNE}, fh, indent=1)
+    print(cases_moe_router_gemm.sweep_lines(rows))
+    print("\n" + cases_moe_router_gemm.markdown(rows, header))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--experts", nargs="*", type=int, default=[256, 32])
-    parser.add_argument("--sections", nargs="*", default=["route", "experts", "layer"],
-                        choices=["route", "permute", "experts", "layer"],
+    parser.add_argument("--sections", nargs="*", default=["route", "experts", "router_gemm", "layer"],
+                        choices=["route", "permute", "experts", "router_gemm", "layer"],
                         help="route: router + permute cases; permute: the permute / unpermute cases only")
     parser.add_argument("--layer-tokens", nargs="*", type=int, default=[8192, 16384])
     parser.add_argument("--no-compile", action="store_true")
@@ -374,6 +386,8 @@ def main() -> None:
         return
     props = torch.cuda.get_device_properties(0)
     header = f"{props.name}, sm{props.major}{props.minor}, torch {torch.__version__}, triton {triton.__version__}"
+    if "router_gemm" in args.sections:
+        router_gemm(args, header)
     if "experts" in args.sections or "layer" in args.sections:
         experts_and_layer(args, header)
     if "route" not in args.sections and "permute" not in args.sections:

@@ -6,7 +6,7 @@ Skipped without CUDA.
 - Forward (pre op with Sinkhorn, head, combine) against the NumPy float64 oracle (``helpers.oracles``) computed
   from the very same (bf16- or fp32-valued) inputs. fp32 outputs (post, comb; the parameter gradients) use the
   fp32 ``mhc_fused`` entry (1e-5 of the largest entry) in both runs: with bf16 streams they are the same fp32
-  maths on bf16-exact inputs (the kernels' tile products keep fp32 accuracy, ``kernel_fwd._dot``). bf16 outputs
+  maths on bf16-exact inputs (the kernels' tile products keep fp32 accuracy, ``split_dot._dot``). bf16 outputs
   use the bf16 ``mhc_fused`` entry (that plus one rounding to bf16).
 - Gradients of every input against torch float64 autograd of the eager op sequence (``helpers.torch_mhc``,
   independent of the kernels), the same entries (the gains: ``mhc_fused_gain``, cancelling sums over tokens).

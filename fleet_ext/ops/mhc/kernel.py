@@ -37,7 +37,7 @@ Deterministic: every sum has one fixed order for a given launch geometry (no ato
 byte-identical run to run.
 
 **Accuracy.** All maths in fp32; the outputs round once to the streams' dtype. The tile products keep fp32
-accuracy (``kernel_fwd._dot``): the interpreter multiplies in fp32 (numpy); on a GPU, products with the bf16
+accuracy (``split_dot._dot``): the interpreter multiplies in fp32 (numpy); on a GPU, products with the bf16
 streams run as three bf16 tensor-core products of the other operand's bf16 pieces (the streams are exact in
 bf16), other products as three TF32 products (``tf32x3``), each tile's products in a fresh accumulator added to
 the running sum in fp32. The streams' gradient's ``G @ fn`` with bf16 streams takes the three largest bf16
@@ -57,18 +57,9 @@ from fleet_ext import capability
 from fleet_ext.ops.launch import detached, dtype_name, empty_like, is_paddle, launch, shape_of, torch_view
 from fleet_ext.ops.mhc.kernel_bwd import _mhc_combine_bwd, _mhc_dx_bwd, _mhc_gates_bwd, _mhc_params_bwd, _mhc_pre_bwd
 from fleet_ext.ops.mhc.kernel_dx_gluon import _mhc_dx_gluon
-from fleet_ext.ops.mhc.kernel_fwd import (
-    DOT_BF16X3,
-    DOT_BF16X3_ROUNDED,
-    DOT_BF16X6,
-    DOT_IEEE,
-    DOT_TF32X3,
-    _mhc_combine_fwd,
-    _mhc_fn_pieces,
-    _mhc_pre_fwd,
-    _mhc_proj_fwd,
-)
+from fleet_ext.ops.mhc.kernel_fwd import _mhc_combine_fwd, _mhc_fn_pieces, _mhc_pre_fwd, _mhc_proj_fwd
 from fleet_ext.ops.mhc.kernel_proj_gluon import _mhc_proj_gluon
+from fleet_ext.ops.split_dot import DOT_BF16X3, DOT_BF16X3_ROUNDED, DOT_BF16X6, DOT_IEEE, DOT_TF32X3
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 KERNELS = ("_mhc_proj_fwd", "_mhc_fn_pieces", "_mhc_proj_gluon", "_mhc_pre_fwd", "_mhc_combine_fwd", "_mhc_gates_bwd",
@@ -132,7 +123,7 @@ GEOMETRY_VARIANTS: tuple[dict[str, dict[str, int]], ...] = (
     {"gates": {"SPLIT": 0}, "pre_bwd": {"BT": 32}},
     *({"combine_bwd": c} for c in ({"num_warps": 8}, {"BT": 2})),
 )
-# Tile products (``kernel_fwd._dot``): with one bf16-exact operand, the streams ("dot": "bf16x3" or "tf32x3"),
+# Tile products (``split_dot._dot``): with one bf16-exact operand, the streams ("dot": "bf16x3" or "tf32x3"),
 # and with two fp32 operands, the streams' gradient's G @ fn ("gx": "tf32x3" or "bf16x6", fp32 accuracy, or
 # "bf16x3", ~2^-16 relative, taken only where that gradient is rounded to bf16: fp32 streams get "tf32x3").
 PRODUCTS = {"dot": "bf16x3", "gx": "bf16x3"}
@@ -227,7 +218,7 @@ def _split(total: int, splits: int, tile: int) -> tuple[int, int]:
 
 
 def _products(x: Any) -> tuple[int, int]:
-    """``(DOT, GX)``: how tile products keep fp32 accuracy here (``kernel_fwd._dot``)."""
+    """``(DOT, GX)``: how tile products keep fp32 accuracy here (``split_dot._dot``)."""
     if is_interpreted():
         return DOT_IEEE, DOT_IEEE
     modes = {**PRODUCTS, **{k: TUNE[k] for k in PRODUCTS if k in TUNE}}

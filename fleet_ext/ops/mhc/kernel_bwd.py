@@ -27,11 +27,7 @@ import triton
 import triton.language as tl
 
 from fleet_ext.ops.mhc.kernel_fwd import (
-    _bf16_pieces,
     _comb_tile,
-    _dot,
-    _dot3,
-    _dot_split,
     _group_scale,
     _logits,
     _sigmoid,
@@ -39,6 +35,7 @@ from fleet_ext.ops.mhc.kernel_fwd import (
     _store_rounded,
     _sum_combine,
 )
+from fleet_ext.ops.split_dot import _bf16_pieces, _dot, _dot3, _dot_split
 
 
 @triton.jit
@@ -303,7 +300,7 @@ def _mhc_dx_bwd(
             g = tl.load(g_ptrs, mask=t_mask[:, None], other=0.0)
             g_hi, g_mid, g_lo = _bf16_pieces(g)
             gx = _dot_split(g_hi, g_mid, g_lo, w_hi, w_mid, w_lo, GX)
-            if DOT == 2:  # x exact in bf16: the three products with G's pieces (kernel_fwd._dot3)
+            if DOT == 2:  # x exact in bf16: the three products with G's pieces (split_dot._dot3)
                 acc += _dot3(tl.trans(x.to(tl.bfloat16)), g_hi, g_mid, g_lo)
             else:
                 acc += _dot(tl.trans(x), g, DOT, 1)

@@ -5,7 +5,7 @@ tokens per program. Why a second kernel: the Triton one splits ``fn``'s fp32 til
 at every K step and reduces the squares across threads at every step (70 % of copy on the H200). Here ``fn``'s
 pieces come once per call from ``kernel_fwd._mhc_fn_pieces`` and ride the same ``cp.async`` ring as the streams;
 each step is three m64n32 warp-group MMAs straight from shared memory (the pieces smallest first, in a fresh
-accumulator added to the running sum in fp32, as ``kernel_fwd._dot``), and the squares accumulate per thread and
+accumulator added to the running sum in fp32, as ``split_dot._dot``), and the squares accumulate per thread and
 are reduced once at the end. Other MMA shapes and another order of the squares' sum than the Triton kernel: equal
 to rounding, not bitwise; deterministic. Device code only, sm90; ``kernel.pre_forward`` chooses it
 (``kernel.GLUON``).

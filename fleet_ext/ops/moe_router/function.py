@@ -8,6 +8,8 @@ weights' gradient w.r.t. the scores from one backward kernel (the PyLayer ``_Rou
 reference on the CPU interpreter in fp32 wherever the biased scores have no tie that Paddle's top-k would
 order differently (``kernel.py``: ties go to the lowest expert id). The kernels' in-kernel scoring (from
 logits) is exercised by the kernel tests and the GPU benchmark.
+
+``router_logits`` is the GEMM before the score function (``kernel_gemm.py``), for bf16 hidden states.
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ import paddle
 from paddle.autograd import PyLayer
 
 from fleet_ext import capability
+from fleet_ext.ops.moe_router import reference
 from fleet_ext.ops.moe_router.reference import check_route_args
 
 capability.prepare_triton()  # interpreter mode on a CPU machine; must precede the kernel import
 
-from fleet_ext.ops.moe_router import kernel  # noqa: E402
+from fleet_ext.ops.moe_router import kernel, kernel_gemm  # noqa: E402
 
 
 class _Route(PyLayer):
@@ -66,3 +69,33 @@ def route(
                                                        table=table, ids=ids)
         return weights, out_idx, counts
     return _Route.apply(scores, bias, indices, table, ids, topk, norm_topk_prob, scaling)
+
+
+class _RouterLogits(PyLayer):
+    """``kernel_gemm.logits`` forward; its two backward GEMMs (``d_x`` in x's dtype, ``d_w`` fp32)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight):
+        ctx.save_for_backward(hidden, weight)
+        return kernel_gemm.logits(hidden, weight)
+
+    @staticmethod
+    def backward(ctx, d_logits):
+        hidden, weight = ctx.saved_tensor()
+        return kernel_gemm.logits_backward(_contiguous(d_logits), hidden, weight)
+
+
+def router_logits(hidden: paddle.Tensor, weight: paddle.Tensor) -> paddle.Tensor:
+    """``hidden`` [T, D], ``weight`` [E, D] fp32 -> logits [T, E] fp32, as ``reference.router_logits``.
+
+    bf16 hidden states go through ``kernel_gemm`` (no fp32 copy of them; bf16 tensor-core products of split
+    operands, fp32 accurate, not bitwise against the library's fp32 GEMM); other dtypes keep the reference's op
+    sequence (fp32: the cast is free and the GEMM the same maths, so the CPU model stays bitwise with the switch).
+    """
+    if hidden.dtype != paddle.bfloat16:
+        return reference.router_logits(hidden, weight)
+    hidden = _contiguous(hidden)
+    if (hidden.stop_gradient and weight.stop_gradient) or not paddle.is_grad_enabled():
+        with paddle.no_grad():
+            return kernel_gemm.logits(hidden, weight)
+    return _RouterLogits.apply(hidden, weight)

@@ -6,7 +6,8 @@ From per-expert scores ``s`` [T, E] (the score function is applied before: ``fle
   ``indices`` (a routing replay), or the hash table's row of each token (``table[ids]``);
 - weights: the *unbiased* scores of the selected experts, divided by their sum (+ 1e-20) when
   ``norm_topk_prob``, times ``scaling``;
-- counts: selections per expert (``bincount``), for the bias update and the dispatcher.
+- counts: selections per expert (``bincount``), for the bias update and the dispatcher;
+- ``router_logits``: the fp32 GEMM before the score function, ``x W^T`` (the fused op's other half).
 
 The layers (``TopKRouter``, ``HashRouter``) compute the same maths with these ops; this module is the
 standalone reference the fused kernel is tested against.
@@ -72,3 +73,9 @@ def route(
     if norm_topk_prob:
         weights = weights / (weights.sum(axis=-1, keepdim=True) + NORM_EPS)
     return weights * scaling, indices, counts
+
+
+def router_logits(hidden: paddle.Tensor, weight: paddle.Tensor) -> paddle.Tensor:
+    """``hidden`` [T, D] (any float dtype), ``weight`` [E, D] fp32 -> logits [T, E] fp32: the router's GEMM in fp32
+    (the selections are precision-sensitive), as the routers compute it."""
+    return paddle.matmul(hidden.astype("float32"), weight, transpose_y=True)

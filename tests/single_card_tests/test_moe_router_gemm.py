@@ -1,0 +1,139 @@
+"""The router's logits GEMM (``moe_router.kernel_gemm``, part of ``moe_router_fusion``) on the CPU interpreter.
+
+The kernels (logits, d_x, d_w with token splits) against float64 for fp32 hidden states (IEEE products) and for
+bf16 ones through the bf16-pieces path the GPU takes (``PIECES`` forced: the interpreter multiplies the pieces in
+fp32), by ``helpers.fp32_gemm``'s bounds, which a bf16-accurate product fails. The Paddle op: bf16 hidden states go
+through the kernels (launch counters) and match the reference's fp32 GEMM and its autograd; fp32 ones keep the
+reference's ops byte for byte (no launch). The router layer with the fused logits on bf16 hidden states picks the
+same experts. Bad inputs raise naming the tensor. GPU accuracy and speed: ``tests/gpu/test_moe_router_gemm_gpu.py``,
+``scripts/bench/bench_moe.py --sections router_gemm``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+import pytest
+from helpers import assert_bitwise, expect_launches, tiny_model
+
+torch = pytest.importorskip("torch", reason="the Triton interpreter needs torch (installed by the `test` extra)")
+pytest.importorskip("triton", reason="fused kernels need Triton (installed by the `test` extra)")
+
+from helpers.fp32_gemm import assert_fp32_accurate, assert_one_rounding, magnitudes  # noqa: E402
+
+from fleet_ext import capability  # noqa: E402
+
+capability.prepare_triton()
+
+from fleet_ext.config import load_config  # noqa: E402
+from fleet_ext.ops.moe_router import function, kernel_gemm, reference  # noqa: E402
+
+KERNELS = ("_router_logits", "_router_dx", "_router_dw")
+
+
+def _torch_inputs(tokens, experts, dim, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, dim, generator=gen).to(dtype)
+    w = torch.randn(experts, dim, generator=gen) * 0.1
+    d_logits = torch.randn(tokens, experts, generator=gen)
+    return x, w, d_logits
+
+
+@pytest.mark.parametrize("pieces,dtype", [(False, torch.float32), (True, torch.bfloat16)], ids=["fp32", "bf16_pieces"])
+@pytest.mark.parametrize("tokens,experts,dim", [(37, 20, 48), (300, 16, 16)], ids=["odd", "token_splits"])
+def test_kernels_are_fp32_accurate(monkeypatch, pieces, dtype, tokens, experts, dim):
+    monkeypatch.setattr(kernel_gemm, "PIECES", pieces)
+    x, w, d_logits = _torch_inputs(tokens, experts, dim, dtype)
+    splits = ("_sum_splits",) if tokens == 300 else ()  # 300 tokens: the weight gradient's token splits
+    with expect_launches(*KERNELS, *splits, exactly=1), expect_launches("_split3", exactly=3 if pieces else 0):
+        logits = kernel_gemm.logits(x, w)
+        d_x, d_w = kernel_gemm.logits_backward(d_logits, x, w)
+    xd, wd, dld = x.double(), w.double(), d_logits.double()
+    assert_fp32_accurate(logits, xd @ wd.t(), x.float() @ w.t(), magnitudes(x, w.t()), "logits")
+    assert_fp32_accurate(d_w, dld.t() @ xd, d_logits.t() @ x.float(), magnitudes(d_logits.t(), x), "d_w")
+    assert d_x.dtype == dtype
+    check = assert_one_rounding if pieces else assert_fp32_accurate
+    check(d_x, dld @ wd, d_logits @ w, magnitudes(d_logits, w), "d_x")
+
+
+def test_the_accuracy_checks_catch_bf16_products():
+    """Test the test: products that keep bf16 accuracy (W or d_logits not split) fail the checks above."""
+    x, w, d_logits = _torch_inputs(64, 32, 256, torch.bfloat16, seed=1)
+    w16 = w.bfloat16().float()
+    with pytest.raises(AssertionError, match="logits"):
+        assert_fp32_accurate(x.float() @ w16.t(), x.double() @ w.double().t(), x.float() @ w.t(),
+                             magnitudes(x, w.t()), "logits")
+    with pytest.raises(AssertionError, match="d_w"):
+        assert_fp32_accurate(d_logits.bfloat16().float().t() @ x.float(), d_logits.double().t() @ x.double(),
+                             d_logits.t() @ x.float(), magnitudes(d_logits.t(), x), "d_w")
+    with pytest.raises(AssertionError, match="d_x"):
+        assert_one_rounding((d_logits.bfloat16().float() @ w16).bfloat16(), d_logits.double() @ w.double(),
+                            d_logits @ w, magnitudes(d_logits, w), "d_x")
+
+
+def _paddle_run(op, dtype: str, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    x = paddle.to_tensor(rng.standard_normal((45, 24)).astype("float32")).astype(dtype)
+    w = paddle.to_tensor((rng.standard_normal((10, 24)) * 0.1).astype("float32"))
+    x.stop_gradient, w.stop_gradient = False, False
+    logits = op(x, w)
+    (logits * paddle.to_tensor(rng.standard_normal((45, 10)).astype("float32"))).sum().backward()
+    return logits, x.grad, w.grad
+
+
+def test_paddle_op_on_bf16_runs_the_kernels_and_matches_the_reference():
+    with expect_launches(*KERNELS, exactly=1):
+        logits, d_x, d_w = _paddle_run(function.router_logits, "bfloat16")
+    want_logits, want_dx, want_dw = _paddle_run(reference.router_logits, "bfloat16")
+    assert logits.dtype == paddle.float32 and d_x.dtype == paddle.bfloat16 and d_w.dtype == paddle.float32
+    as_torch = lambda t: torch.from_dlpack(t.detach())  # noqa: E731
+    for got, want, name in ((logits, want_logits, "logits"), (d_w, want_dw, "d_w")):
+        diff = float((as_torch(got) - as_torch(want)).abs().max())
+        assert diff <= 1e-5 * float(as_torch(want).abs().max()), f"{name}: {diff:.3e} from the reference"
+    dx_diff = (as_torch(d_x).float() - as_torch(want_dx).float()).abs()
+    assert bool((dx_diff <= 2.0**-7 * as_torch(want_dx).float().abs() + 1e-6).all()), "d_x: over one bf16 rounding"
+
+
+def test_paddle_op_on_fp32_is_the_reference_byte_for_byte():
+    with expect_launches(*KERNELS, exactly=0):
+        got = _paddle_run(function.router_logits, "float32")
+    for g, w, name in zip(got, _paddle_run(reference.router_logits, "float32"), ("logits", "d_x", "d_w")):
+        assert_bitwise(g, w, name)
+
+
+def test_router_layer_with_fused_logits_picks_the_same_experts():
+    from fleet_ext.layers.moe import TopKRouter
+
+    paddle.seed(0)
+    router = TopKRouter(load_config(tiny_model(moe_router_fusion=True)), layer_number=1)
+    hidden = paddle.to_tensor(np.random.default_rng(5).standard_normal((2, 19, router.hidden_size)).astype("float32"))
+    hidden = hidden.astype("bfloat16")
+    router.fused_logits = None
+    want_w, want_idx = router(hidden)[:2]
+    router.fused_logits = function.router_logits
+    with expect_launches("_router_logits", exactly=1):
+        got_w, got_idx = router(hidden)[:2]
+    assert_bitwise(got_idx, want_idx, "selected experts")
+    np.testing.assert_allclose(got_w.numpy(), want_w.numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case,match", [
+    ("weight_bf16", "`weight` must be float32"), ("dim_mismatch", r"`weight` must have shape \[None, 24\]"),
+    ("strided_x", "`x` must be contiguous"), ("pieces_fp32", "PIECES needs bf16"),
+    ("d_logits_shape", r"`d_logits` must have shape \[45, 10\]"),
+])
+def test_bad_inputs_raise_naming_the_tensor(monkeypatch, case, match):
+    x, w, d_logits = _torch_inputs(45, 10, 24, torch.float32)
+    if case == "weight_bf16":
+        w = w.bfloat16()
+    elif case == "dim_mismatch":
+        w = torch.randn(10, 16)
+    elif case == "strided_x":
+        x = torch.randn(24, 45).t()
+    elif case == "pieces_fp32":
+        monkeypatch.setattr(kernel_gemm, "PIECES", True)
+    with pytest.raises(ValueError, match=match):
+        if case == "d_logits_shape":
+            kernel_gemm.logits_backward(d_logits[:, :5].contiguous(), x, w)
+        else:
+            kernel_gemm.logits(x, w)
