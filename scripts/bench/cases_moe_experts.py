@@ -62,6 +62,21 @@ def median_ms(fn: Callable, rep: int = 200) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
 
 
+def steady_ms(fn: Callable, calls: int = 10) -> float:
+    """Mean ms per call of ``calls`` back-to-back calls between two events (after two warm-up calls): no L2 flush
+    and no gap between calls, as layers run in a training step (``do_bench`` flushes L2 before each call)."""
+    fn()
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls
+
+
 def rel_norm(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30))
 
@@ -368,13 +383,17 @@ def layer_rows(tokens: int, experts: int, log: Callable) -> dict[str, Any]:
     del results
     torch.cuda.empty_cache()
     rounds: dict[str, list[float]] = {name: [] for name in variants}
+    steady: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(LAYER_ROUNDS):  # the variants take turns, so a drift of the GPU's clock reaches all of them
         for name, fn in variants.items():
             rounds[name].append(median_ms(fn, rep=200))
+            steady[name].append(steady_ms(fn))
             torch.cuda.empty_cache()
     for name, times in rounds.items():
         row[f"{name}_ms"] = sorted(times)[len(times) // 2]
         row[f"{name}_rounds_ms"] = times
+        row[f"{name}_steady_ms"] = sorted(steady[name])[len(times) // 2]
+        row[f"{name}_steady_rounds_ms"] = steady[name]
     log(f"layer T={tokens} E={experts}: {row}")
     return row
 
