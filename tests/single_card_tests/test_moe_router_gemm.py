@@ -71,11 +71,11 @@ def test_the_accuracy_checks_catch_bf16_products():
                             d_logits @ w, magnitudes(d_logits, w), "d_x")
 
 
-def _paddle_run(op, dtype: str, seed: int = 0):
+def _paddle_run(op, dtype: str, seed: int = 0, needs: tuple[bool, bool] = (True, True)):
     rng = np.random.default_rng(seed)
     x = paddle.to_tensor(rng.standard_normal((45, 24)).astype("float32")).astype(dtype)
     w = paddle.to_tensor((rng.standard_normal((10, 24)) * 0.1).astype("float32"))
-    x.stop_gradient, w.stop_gradient = False, False
+    x.stop_gradient, w.stop_gradient = not needs[0], not needs[1]
     logits = op(x, w)
     (logits * paddle.to_tensor(rng.standard_normal((45, 10)).astype("float32"))).sum().backward()
     return logits, x.grad, w.grad
@@ -92,6 +92,25 @@ def test_paddle_op_on_bf16_runs_the_kernels_and_matches_the_reference():
         assert diff <= 1e-5 * float(as_torch(want).abs().max()), f"{name}: {diff:.3e} from the reference"
     dx_diff = (as_torch(d_x).float() - as_torch(want_dx).float()).abs()
     assert bool((dx_diff <= 2.0**-7 * as_torch(want_dx).float().abs() + 1e-6).all()), "d_x: over one bf16 rounding"
+
+
+@pytest.mark.parametrize("needs", [(True, False), (False, True)], ids=["hidden_only", "weight_only"])
+def test_paddle_op_computes_only_the_gradients_asked_for(needs):
+    """Paddle's PyLayer wants None for an input that needs no gradient; that GEMM is then not run."""
+    kernels = ("_router_logits",) + (("_router_dx",) if needs[0] else ()) + (("_router_dw",) if needs[1] else ())
+    skipped = tuple(k for k in KERNELS if k not in kernels)
+    with expect_launches(*kernels, exactly=1), expect_launches(*skipped, exactly=0):
+        _, d_x, d_w = _paddle_run(function.router_logits, "bfloat16", needs=needs)
+    assert (d_x is not None, d_w is not None) == needs
+
+
+def test_backend_hands_the_router_its_fused_logits_with_the_switch():
+    from fleet_ext.models import DSv4ForCausalLM
+
+    for switch in (False, True):
+        model = DSv4ForCausalLM(load_config(tiny_model(moe_router_fusion=switch)))
+        routers = [layer.router for layer in model.moe_layers()]
+        assert routers and all(r.fused_logits is (function.router_logits if switch else None) for r in routers)
 
 
 def test_paddle_op_on_fp32_is_the_reference_byte_for_byte():

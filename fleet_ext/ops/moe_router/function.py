@@ -77,12 +77,13 @@ class _RouterLogits(PyLayer):
     @staticmethod
     def forward(ctx, hidden, weight):
         ctx.save_for_backward(hidden, weight)
+        ctx.needs = (not hidden.stop_gradient, not weight.stop_gradient)  # Paddle wants None for the others
         return kernel_gemm.logits(hidden, weight)
 
     @staticmethod
     def backward(ctx, d_logits):
         hidden, weight = ctx.saved_tensor()
-        return kernel_gemm.logits_backward(_contiguous(d_logits), hidden, weight)
+        return kernel_gemm.logits_backward(_contiguous(d_logits), hidden, weight, *ctx.needs)
 
 
 def router_logits(hidden: paddle.Tensor, weight: paddle.Tensor) -> paddle.Tensor:

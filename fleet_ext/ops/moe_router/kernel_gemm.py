@@ -244,20 +244,34 @@ def _splits(tiles: int, tokens: int, bk: int, kernel: Any) -> int:
     return max(1, min(triton.cdiv(2 * sms, tiles), triton.cdiv(tokens, 8 * bk)))
 
 
-def logits_backward(d_logits: Any, x: Any, weight: Any) -> tuple[Any, Any]:
+def logits_backward(d_logits: Any, x: Any, weight: Any, need_dx: bool = True,
+                    need_dw: bool = True) -> tuple[Any, Any]:
     """(d_x [T, D] in x's dtype = d_logits W, d_w [E, D] fp32 = d_logits^T x): the backward of :func:`logits`
-    (and of the cast of x to fp32 before it)."""
+    (and of the cast of x to fp32 before it); a gradient not needed is None and not computed."""
     fn = "router_logits backward"
     tokens, dim = _check(x, "x", [None, None], FLOAT_DTYPES, fn)
     experts = _check(weight, "weight", [None, dim], ("float32",), fn)[0]
     _check(d_logits, "d_logits", [tokens, experts], ("float32",), fn)
     mode = _mode(x, _router_dx)
-    d_logits_in = _pieces(d_logits) if mode["PIECES"] else detached(d_logits)
+    d_logits_in = _pieces(d_logits) if mode["PIECES"] and (need_dx or need_dw) else detached(d_logits)
+    return (_dx(d_logits_in, weight, x, mode) if need_dx else None,
+            _dw(d_logits_in, x, weight, mode) if need_dw else None)
+
+
+def _dx(d_logits_in: Any, weight: Any, x: Any, mode: dict[str, Any]) -> Any:
+    tokens, dim = shape_of(x)
+    experts = shape_of(weight)[0]
     d_x = empty_like(x)
     c = _tiles(_router_dx, "dx", experts)
     launch(_router_dx, (triton.cdiv(tokens, c["BM"]), triton.cdiv(dim, c["BN"])), d_logits_in,
            _pieces(weight) if mode["PIECES"] else detached(weight), d_x, tokens, E=experts, D=dim, BM=c["BM"],
            BN=c["BN"], BK=c["BK"], STAGES=c["stages"], num_warps=c["warps"], **mode)
+    return d_x
+
+
+def _dw(d_logits_in: Any, x: Any, weight: Any, mode: dict[str, Any]) -> Any:
+    tokens, dim = shape_of(x)
+    experts = shape_of(weight)[0]
     c = _tiles(_router_dw, "dw", experts)
     grid = (triton.cdiv(experts, c["BM"]), triton.cdiv(dim, c["BN"]))
     splits = _splits(grid[0] * grid[1], tokens, c["BK"], _router_dw)
@@ -271,4 +285,4 @@ def logits_backward(d_logits: Any, x: Any, weight: Any) -> tuple[Any, Any]:
     if splits > 1:
         launch(_sum_splits, (triton.cdiv(experts * dim, 1024),), part, d_w, splits, experts * dim, BLOCK=1024,
                num_warps=4)
-    return d_x, d_w
+    return d_w
