@@ -62,7 +62,8 @@ BACKEND_OP = "fleet_ext.ops.sparse_attn"  # the kernels of both `*_sparse_attn_b
 CPU_TOLERANCES = {"dsa_sink_grad_fusion": "sink_grad_model", "csa_sparse_attn_backend": "model_triton_sparse_attn",
                   "mqa_sparse_attn_backend": "model_triton_sparse_attn",
                   "use_fused_mhc": "model_triton_sparse_attn",  # mHC's own model bound (1e-4) is tighter: one entry
-                  "moe_expert_fusion": "model_triton_sparse_attn"}  # the experts' own (5e-5) is tighter: one entry
+                  "moe_expert_fusion": "model_triton_sparse_attn",  # the experts' own (5e-5) is tighter: one entry
+                  "moe_router_logits_fusion": "model_triton_sparse_attn"}  # its own (5e-5) likewise
 GPU_TOLERANCE = ("bf16", "model_smoke")
 PLATFORM_NAMES = {"cpu_fp32": "CPU fp32 (Triton interpreter)", "paddle_gpu": "Paddle GPU, bf16 autocast"}
 

@@ -40,8 +40,11 @@ class FusionConfig(Section):
         False, "Triton MoE permute / unpermute: stable counting sort by expert, gather-based weighted combine."
     )
     moe_router_fusion: bool = _key(
-        False, "Triton MoE router: biased top-k (or hash lookup), renormalised scaled weights and per-expert counts; "
-        "with bf16 hidden states also the fp32-accurate logits GEMM."
+        False, "Triton MoE router: biased top-k (or hash lookup), renormalised scaled weights and per-expert counts."
+    )
+    moe_router_logits_fusion: bool = _key(
+        False, "Triton router logits GEMM x W^T at fp32 accuracy on the tensor cores (bf16 products of split "
+        "operands) and its backward; no fp32 copy of the hidden states (not bitwise: within the registry's tolerance)."
     )
     moe_expert_fusion: bool = _key(
         False, "Triton grouped expert GEMMs: gate+up with the clamped SwiGLU epilogue, down; deterministic backward."

@@ -49,8 +49,8 @@ class MoEOps:
     # ``moe_router_fusion``: ``router(scores, bias, topk, norm_topk_prob, scaling, indices=, table=, ids=) ->
     # (weights, indices, counts)``; None: the routers' own (reference) maths.
     router: Callable | None = None
-    # ``moe_router_fusion`` too: ``router_logits(hidden [T, D], weight [E, D] fp32) -> logits [T, E] fp32`` (the
-    # GEMM before the score function); None: the routers' own fp32 GEMM.
+    # ``moe_router_logits_fusion``: ``router_logits(hidden [T, D], weight [E, D] fp32) -> logits [T, E] fp32`` (the
+    # GEMM before the score function); None: the reference's fp32 GEMM.
     router_logits: Callable | None = None
     # ``moe_expert_fusion`` slot: ``experts(rows [N, D], counts [E] int64 on the device, weight1 [E, D, 2I],
     # weight2 [E, I, D], limit, recompute_activation) -> [N, D]``: one clamped-SwiGLU expert per contiguous

@@ -28,6 +28,7 @@ from fleet_ext.framework.layer import FleetLayer
 from fleet_ext.layers.mlp import SwiGLUMLP, check_hidden
 from fleet_ext.ops.moe_experts.reference import grouped_mlp
 from fleet_ext.ops.moe_permute import reference as permute_reference
+from fleet_ext.ops.moe_router.reference import router_logits as reference_router_logits
 from fleet_ext.parallel.cp_collectives import sum_over_sequence
 from fleet_ext.parallel.expert_parallel import (
     ExpertParallelGroup,
@@ -138,7 +139,7 @@ class _RouterBase(FleetLayer):
             default_initializer=paddle.nn.initializer.Normal(mean=0.0, std=config.model.init_method_std),
         )
         self.fused_route: Callable | None = None  # `moe_router_fusion`'s kernel, set by MoELayer from its ops
-        self.fused_logits: Callable | None = None  # `moe_router_fusion`'s logits GEMM (bf16 hidden states), likewise
+        self.router_logits: Callable = reference_router_logits  # `moe_router_logits_fusion`'s op: set likewise
         # Selections per expert since the last bias update (not saved: a step-local statistic).
         self.register_buffer(
             "local_tokens_per_expert", paddle.zeros([self.num_experts], dtype="float32"), persistable=False
@@ -147,9 +148,7 @@ class _RouterBase(FleetLayer):
     def _scores(self, hidden_states: paddle.Tensor) -> paddle.Tensor:
         """fp32 logits ``x W^T`` (routing decisions are precision-sensitive) through the score function."""
         flat = hidden_states.reshape([-1, self.hidden_size])
-        if self.fused_logits is not None:
-            return router_scores(self.fused_logits(flat, self.weight), self.scoring_func)
-        return router_scores(paddle.matmul(flat.astype("float32"), self.weight, transpose_y=True), self.scoring_func)
+        return router_scores(self.router_logits(flat, self.weight), self.scoring_func)
 
     def _count(self, indices: paddle.Tensor, counts: paddle.Tensor | None = None) -> None:
         """Add the selections per expert (``counts``, when the fused router counted them already). Counted by sorting
@@ -505,7 +504,8 @@ class MoELayer(FleetLayer):
         router_cls = HashRouter if self.is_hash else TopKRouter
         self.router = router_cls(config, layer_number)
         self.router.fused_route = ops.router if ops is not None else None  # moe_router_fusion (None: reference)
-        self.router.fused_logits = ops.router_logits if ops is not None else None
+        if ops is not None and ops.router_logits is not None:
+            self.router.router_logits = ops.router_logits  # moe_router_logits_fusion (or the reference's GEMM)
         self.recompute_experts = "moe" in recompute_modules
         self.experts = GroupedExperts(config, recompute_activation="moe_act" in recompute_modules, ops=ops)
         self.shared_experts = None

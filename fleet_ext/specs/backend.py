@@ -58,12 +58,13 @@ class BackendProvider:
         self.mhc_ops = MHCOps(pre=mhc_pre, head=mhc.mhc_head, combine=mhc.mhc_combine)
         permute = self._resolve("moe_permute_fusion")  # its module's `unpermute` is the inverse, resolved with it
         router = self._resolve("moe_router_fusion")  # off: the routers' own maths (the reference's op sequence)
+        router_logits = self._resolve("moe_router_logits_fusion")  # off: the reference's fp32 GEMM
         experts = self._resolve("moe_expert_fusion")  # off: the experts layer's own grouped MLP (the reference)
         if config.fusion.moe_expert_fusion:
             self._note_hopper_experts()
         self.moe_ops = MoEOps(permute=permute, unpermute=importlib.import_module(permute.__module__).unpermute,
                               router=router if config.fusion.moe_router_fusion else None,
-                              router_logits=self._companion("moe_router_fusion", "router_logits"),
+                              router_logits=router_logits,
                               experts=experts if config.fusion.moe_expert_fusion else None)
         reference_sparse = functools.partial(sparse, remap=remap)
         self.attention_ops = AttentionOps(
@@ -177,13 +178,6 @@ class BackendProvider:
         here = PLATFORMS["cpu_fp32" if self.capability.interpreter else "paddle_gpu"][0]
         self._rows.append(ResolvedSwitch(switch, True, where, f"switch on; {fusion.guarantee()}; here: {here}"))
         return fusion.load("fused")
-
-    def _companion(self, switch: str, name: str) -> Callable | None:
-        """``name`` from the module of ``switch``'s registered fused op (an op the switch brings with it), or None
-        while the switch is off."""
-        if not getattr(self.config.fusion, switch):
-            return None
-        return getattr(importlib.import_module(FUSIONS[switch].fused.partition(":")[0]), name)
 
     @property
     def resolved(self) -> list[ResolvedSwitch]:

@@ -358,8 +358,10 @@ def experts_and_layer(args: argparse.Namespace, header: str) -> None:
 
 def router_gemm(args: argparse.Namespace, header: str) -> None:
     """The router logits GEMM table (``cases_moe_router_gemm``): JSON and markdown under ``--out``."""
-    rows = [cases_moe_router_gemm.router_gemm_row(t, e, lambda msg: print(msg, flush=True))
-            for t in args.layer_tokens for e in args.experts]
+    log = lambda msg: print(msg, flush=True)  # noqa: E731
+    rows = [cases_moe_router_gemm.router_gemm_row(t, e, log) for t in args.layer_tokens for e in args.experts]
+    rows += [cases_moe_router_gemm.router_gemm_row(t, e, log, torch.float32, sweep=False)  # fp32 x: no sweep
+             for t in args.layer_tokens for e in args.experts]
     with open(os.path.join(args.out, "moe_router_gemm.json"), "w") as fh:
         json.dump({"header": header, "rows": rows, "tune": cases_moe_router_gemm.kg.TUNE}, fh, indent=1)
     print(cases_moe_router_gemm.sweep_lines(rows))

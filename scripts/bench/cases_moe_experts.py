@@ -16,8 +16,8 @@ Shapes: T tokens (8192; the layer also 16384), top-6, D = 4096, gate+up width 2I
   both against an fp32 torch reference on the same bf16 operands (relative Frobenius norms).
 - **Whole layer** (router + permute + experts + unpermute, forward + backward, router GEMM included): the eager
   mirror of fleet_ext's reference path (padded batched experts after one host read, ``index_add_``), a mirror on
-  ``torch._grouped_mm`` (device offsets), all fused (``moe_router`` kernels, its logits GEMM included,
-  + ``moe_permute`` + ``moe_experts`` kernels);
+  ``torch._grouped_mm`` (device offsets), all fused (the ``moe_router`` kernels and its logits GEMM
+  ``moe_router.kernel_gemm``, + ``moe_permute`` + ``moe_experts`` kernels);
   peak memory of one forward + backward above what the inputs and weights hold.
 """
 

@@ -2,7 +2,8 @@
 
 Eager is what the layer's reference path runs (and the whole-layer mirrors): ``x.float() @ W^T`` with TF32 off
 (fp32 on the CUDA cores), and autograd's backward of it: ``(d_logits @ W).to(x.dtype)`` and ``d_logits^T @
-x.float()``. Fused is ``moe_router.kernel_gemm`` (bf16 tensor-core products of split operands, fp32 accurate).
+x.float()``. Fused is ``moe_router.kernel_gemm`` (``moe_router_logits_fusion``: for bf16 x, bf16 tensor-core
+products of split operands; for fp32 x, as under bf16 O1 autocast where the residual stream stays fp32, TF32x3).
 Each side's error is measured against float64 on the same values, per output: max |error| / max |reference|.
 Launch settings of ``kernel_gemm.TUNE`` are swept (every candidate within the float64 bound before it may win).
 """
@@ -38,9 +39,9 @@ def rel_max(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-300))
 
 
-def inputs(tokens: int, experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def inputs(tokens: int, experts: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator(device="cuda").manual_seed(21)
-    x = torch.randn(tokens, D, generator=gen, device="cuda").bfloat16()
+    x = torch.randn(tokens, D, generator=gen, device="cuda").to(dtype)
     w = torch.randn(experts, D, generator=gen, device="cuda") * 0.02
     d_logits = torch.randn(tokens, experts, generator=gen, device="cuda") * 1e-3
     return x, w, d_logits
@@ -74,13 +75,14 @@ def _with(name: str, setting: tuple, fn: Callable) -> Any:
         kg.TUNE[name] = saved
 
 
-def router_gemm_row(tokens: int, experts: int, log: Callable) -> dict[str, Any]:
-    """One (T, E) row: times and errors of eager and fused, forward and backward, and the sweep's best."""
-    x, w, d_logits = inputs(tokens, experts)
+def router_gemm_row(tokens: int, experts: int, log: Callable, dtype: torch.dtype = torch.bfloat16,
+                    sweep: bool = True) -> dict[str, Any]:
+    """One (T, E, x dtype) row: times and errors of eager and fused, forward and backward, and the sweep's."""
+    x, w, d_logits = inputs(tokens, experts, dtype)
     want = {"logits": x.double() @ w.double().t(), "dx": d_logits.double() @ w.double(),
             "dw": d_logits.double().t() @ x.double()}
     torch.backends.cuda.matmul.allow_tf32 = False  # eager fp32 as the reference path runs it
-    row: dict[str, Any] = {"tokens": tokens, "experts": experts}
+    row: dict[str, Any] = {"tokens": tokens, "experts": experts, "dtype": str(dtype).replace("torch.", "")}
     got_eager = {"logits": eager_fwd(x, w), **dict(zip(("dx", "dw"), eager_bwd(d_logits, x, w)))}
     got_fused = {"logits": kg.logits(x, w), **dict(zip(("dx", "dw"), kg.logits_backward(d_logits, x, w)))}
     row["err_eager"] = {k: rel_max(v, want[k]) for k, v in got_eager.items()}
@@ -96,7 +98,8 @@ def router_gemm_row(tokens: int, experts: int, log: Callable) -> dict[str, Any]:
             "dw": lambda: kg.logits_backward(d_logits, x, w)[1]}  # dx, dw: the whole backward, one setting moved
     small = "_small" if experts <= kg.SMALL_E else ""
     row["kernels_us"] = kernel_us(lambda: (kg.logits(x, w), kg.logits_backward(d_logits, x, w)))
-    for base, setting in itertools.chain.from_iterable(((n, s) for s in SWEEP[n + small]) for n in runs):
+    settings = itertools.chain.from_iterable(((n, s) for s in SWEEP[n + small]) for n in runs) if sweep else ()
+    for base, setting in settings:
         name = base + small
         try:
             err = rel_max(_with(name, setting, runs[base]), want[base])
@@ -108,28 +111,30 @@ def router_gemm_row(tokens: int, experts: int, log: Callable) -> dict[str, Any]:
     flops = 2 * tokens * experts * D
     row["tflops_fused_fwd"] = flops / row["fused_fwd_ms"] * 1e-9
     row["tflops_eager_fwd"] = flops / row["eager_fwd_ms"] * 1e-9
-    log(f"router gemm T={tokens} E={experts}: {row}")
+    log(f"router gemm T={tokens} E={experts} {row['dtype']}: {row}")
     return row
 
 
 def markdown(rows: list[dict], header: str) -> str:
-    lines = [f"{header}. Router logits GEMM at fp32 accuracy, D = {D}, bf16 x, fp32 W and d_logits; ms, medians of "
+    lines = [f"{header}. Router logits GEMM at fp32 accuracy, D = {D}, fp32 W and d_logits; ms, medians of "
              "`do_bench`; error = max |error| / max |float64 result| (logits / d_x / d_w).", "",
-             "| T, E | eager fwd | fused fwd | x | eager bwd | fused bwd | x | error eager | error fused | d_w "
+             "| T, E, x | eager fwd | fused fwd | x | eager bwd | fused bwd | x | error eager | error fused | d_w "
              "byte-identical run to run |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         fmt = lambda e: " / ".join(f"{e[k]:.1e}" for k in ("logits", "dx", "dw"))  # noqa: E731
-        lines.append(f"| {r['tokens']}, {r['experts']} | {r['eager_fwd_ms']:.3f} | {r['fused_fwd_ms']:.3f} | "
-                     f"{r['eager_fwd_ms'] / r['fused_fwd_ms']:.2f} | {r['eager_bwd_ms']:.3f} | {r['fused_bwd_ms']:.3f}"
-                     f" | {r['eager_bwd_ms'] / r['fused_bwd_ms']:.2f} | {fmt(r['err_eager'])} | {fmt(r['err_fused'])}"
-                     f" | {'yes' if r['dw_deterministic'] else 'NO'} |")
+        cells = [f"{r['tokens']}, {r['experts']}, {r['dtype']}"]
+        for side in ("fwd", "bwd"):
+            eager, fused = r[f"eager_{side}_ms"], r[f"fused_{side}_ms"]
+            cells += [f"{eager:.3f}", f"{fused:.3f}", f"{eager / fused:.2f}"]
+        cells += [fmt(r["err_eager"]), fmt(r["err_fused"]), "yes" if r["dw_deterministic"] else "NO"]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def sweep_lines(rows: list[dict]) -> str:
     out = []
     for r in rows:
-        out.append(f"T={r['tokens']} E={r['experts']} kernels (us per call): "
+        out.append(f"T={r['tokens']} E={r['experts']} {r['dtype']} kernels (us per call): "
                    + ", ".join(f"{k} {v:.1f}" for k, v in r["kernels_us"].items()))
         for label, v in r["sweep"].items():
             out.append(f"T={r['tokens']} E={r['experts']} {label:32} " + (

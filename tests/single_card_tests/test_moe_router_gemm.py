@@ -1,11 +1,13 @@
-"""The router's logits GEMM (``moe_router.kernel_gemm``, part of ``moe_router_fusion``) on the CPU interpreter.
+"""The router's logits GEMM (``moe_router.kernel_gemm``, ``moe_router_logits_fusion``) on the CPU interpreter.
 
 The kernels (logits, d_x, d_w with token splits) against float64 for fp32 hidden states (IEEE products) and for
 bf16 ones through the bf16-pieces path the GPU takes (``PIECES`` forced: the interpreter multiplies the pieces in
-fp32), by ``helpers.fp32_gemm``'s bounds, which a bf16-accurate product fails. The Paddle op: bf16 hidden states go
-through the kernels (launch counters) and match the reference's fp32 GEMM and its autograd; fp32 ones keep the
-reference's ops byte for byte (no launch). The router layer with the fused logits on bf16 hidden states picks the
-same experts. Bad inputs raise naming the tensor. GPU accuracy and speed: ``tests/gpu/test_moe_router_gemm_gpu.py``,
+fp32), by ``helpers.fp32_gemm``'s bounds, which a bf16-accurate product fails. The Paddle op (bf16 and fp32 hidden
+states) runs the kernels (launch counters) and matches the reference's fp32 GEMM and its autograd, computing only
+the gradients asked for; the router picks the same experts with it. The tiny model with the switch on vs off within
+the ``router_logits_model`` tolerance (a planted 1e-3 error fails it), byte-equal to itself under full recompute;
+the registry row, the resolved table and the gate. Bad inputs raise naming the tensor. GPU accuracy and speed:
+``tests/gpu/test_moe_router_gemm_gpu.py``,
 ``scripts/bench/bench_moe.py --sections router_gemm``.
 """
 
@@ -14,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import paddle
 import pytest
-from helpers import assert_bitwise, expect_launches, tiny_model
+from helpers import assert_bitwise, assert_close, expect_launches, move_constant_inits, tiny_model
 
 torch = pytest.importorskip("torch", reason="the Triton interpreter needs torch (installed by the `test` extra)")
 pytest.importorskip("triton", reason="fused kernels need Triton (installed by the `test` extra)")
@@ -27,6 +29,7 @@ capability.prepare_triton()
 
 from fleet_ext.config import load_config  # noqa: E402
 from fleet_ext.ops.moe_router import function, kernel_gemm, reference  # noqa: E402
+from fleet_ext.registry import FUSIONS  # noqa: E402
 
 KERNELS = ("_router_logits", "_router_dx", "_router_dw")
 
@@ -104,36 +107,112 @@ def test_paddle_op_computes_only_the_gradients_asked_for(needs):
     assert (d_x is not None, d_w is not None) == needs
 
 
-def test_backend_hands_the_router_its_fused_logits_with_the_switch():
-    from fleet_ext.models import DSv4ForCausalLM
+def test_paddle_op_on_fp32_runs_the_kernels_and_matches_the_reference():
+    with expect_launches(*KERNELS, exactly=1):
+        got = _paddle_run(function.router_logits, "float32")
+    for g, w, name in zip(got, _paddle_run(reference.router_logits, "float32"), ("logits", "d_x", "d_w")):
+        g, w = torch.from_dlpack(g.detach()), torch.from_dlpack(w.detach())
+        assert float((g - w).abs().max()) <= 1e-5 * float(w.abs().max()), name
 
-    for switch in (False, True):
-        model = DSv4ForCausalLM(load_config(tiny_model(moe_router_fusion=switch)))
-        routers = [layer.router for layer in model.moe_layers()]
-        assert routers and all(r.fused_logits is (function.router_logits if switch else None) for r in routers)
 
-
-def test_paddle_op_on_fp32_is_the_reference_byte_for_byte():
+def test_on_a_gpu_fp32_hidden_states_keep_the_reference_gemm(monkeypatch):
+    """The GPU dispatch (``function.router_logits``): fp32 hidden states keep the reference's ops there, byte for
+    byte and no launch; bf16 ones take the kernels. (The GPU is played by the interpreter claiming not to be one.)"""
+    monkeypatch.setattr(function, "is_interpreted", lambda kernel: False)
     with expect_launches(*KERNELS, exactly=0):
         got = _paddle_run(function.router_logits, "float32")
     for g, w, name in zip(got, _paddle_run(reference.router_logits, "float32"), ("logits", "d_x", "d_w")):
         assert_bitwise(g, w, name)
+    with expect_launches(*KERNELS, exactly=1):
+        _paddle_run(function.router_logits, "bfloat16")
 
 
 def test_router_layer_with_fused_logits_picks_the_same_experts():
     from fleet_ext.layers.moe import TopKRouter
 
     paddle.seed(0)
-    router = TopKRouter(load_config(tiny_model(moe_router_fusion=True)), layer_number=1)
+    router = TopKRouter(load_config(tiny_model()), layer_number=1)
     hidden = paddle.to_tensor(np.random.default_rng(5).standard_normal((2, 19, router.hidden_size)).astype("float32"))
-    hidden = hidden.astype("bfloat16")
-    router.fused_logits = None
-    want_w, want_idx = router(hidden)[:2]
-    router.fused_logits = function.router_logits
-    with expect_launches("_router_logits", exactly=1):
-        got_w, got_idx = router(hidden)[:2]
-    assert_bitwise(got_idx, want_idx, "selected experts")
-    np.testing.assert_allclose(got_w.numpy(), want_w.numpy(), rtol=1e-5, atol=1e-6)
+    for dtype in ("float32", "bfloat16"):
+        router.router_logits = reference.router_logits
+        want_w, want_idx = router(hidden.astype(dtype))[:2]
+        router.router_logits = function.router_logits
+        with expect_launches("_router_logits", exactly=1):
+            got_w, got_idx = router(hidden.astype(dtype))[:2]
+        assert_bitwise(got_idx, want_idx, f"selected experts ({dtype})")
+        np.testing.assert_allclose(got_w.numpy(), want_w.numpy(), rtol=1e-5, atol=1e-6)
+
+
+# -- the tiny model, switch off vs on -------------------------------------------------------------------------
+SWITCH = {"moe_router_logits_fusion": True}
+MOE_LAYERS = 4  # TINY_MODEL: 4 layers, all MoE (the first hash-routed: its router computes logits too)
+
+
+def _model_run(switches: dict, **overrides) -> dict[str, np.ndarray]:
+    from fleet_ext.models import DSv4ForCausalLM
+
+    paddle.seed(0)
+    model = DSv4ForCausalLM(load_config(tiny_model(**switches, hca_compress_ratio=8), **overrides))
+    move_constant_inits(model, np.random.default_rng(0), 0.3)
+    rng = np.random.default_rng(3)
+    ids = paddle.to_tensor(rng.integers(0, 64, (2, 38)))
+    logits, loss = model(ids, labels=paddle.to_tensor(rng.integers(0, 64, (2, 38))))
+    loss.backward()
+    result = {"loss": loss.numpy(), "logits": logits.numpy()}
+    result.update({f"grad:{n}": p.grad.numpy() for n, p in model.named_parameters() if p.grad is not None})
+    return result
+
+
+@pytest.fixture(scope="module")
+def fused_run() -> dict[str, np.ndarray]:
+    with expect_launches(*KERNELS, exactly=MOE_LAYERS):
+        return _model_run(SWITCH)
+
+
+def test_tiny_model_matches_the_unfused_path_within_tolerance(fused_run):
+    reference_run = _model_run({})
+    assert fused_run.keys() == reference_run.keys()
+    assert sum(k.endswith("router.weight") for k in fused_run) == MOE_LAYERS
+    for key in reference_run:
+        assert_close(fused_run[key], reference_run[key], "fp32", "router_logits_model", what=f"switch on vs off: {key}")
+
+
+def test_tiny_model_check_catches_a_planted_error(monkeypatch):
+    """Test the test: logits 1e-3 off in relative terms fail the model-level tolerance."""
+    reference_run = _model_run({})
+    real = function.router_logits
+    monkeypatch.setattr(function, "router_logits", lambda h, w: real(h, w) * 1.001)
+    planted = _model_run(SWITCH)
+    with pytest.raises(AssertionError):
+        for key in reference_run:
+            assert_close(planted[key], reference_run[key], "fp32", "router_logits_model", what=key)
+
+
+def test_tiny_model_under_recompute_is_bitwise_equal_to_no_recompute(fused_run):
+    """The kernels are deterministic, so recomputing whole layers (their routers' logits GEMMs run again in the
+    backward; the selective ``moe`` policy replays the routing and does not re-run it) changes no bit."""
+    with expect_launches("_router_logits", exactly=2 * MOE_LAYERS):
+        again = _model_run(SWITCH, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2)
+    assert again.keys() == fused_run.keys()
+    for key in fused_run:
+        assert_bitwise(again[key], fused_run[key], f"full recompute: {key}")
+
+
+def test_registry_entry_backend_and_gate():
+    from fleet_ext.models import DSv4ForCausalLM
+    from fleet_ext.specs.backend import BackendProvider
+
+    entry = FUSIONS["moe_router_logits_fusion"]
+    assert entry.landed and not entry.bitwise_equal and entry.load("fused") is function.router_logits
+    row = {r.switch: r for r in BackendProvider(load_config(tiny_model(**SWITCH))).resolved}["moe_router_logits_fusion"]
+    assert row.backend == "Triton interpreter (CPU, slow)" and "not bitwise" in row.reason
+    for switch, want in ((False, reference.router_logits), (True, function.router_logits)):
+        model = DSv4ForCausalLM(load_config(tiny_model(moe_router_logits_fusion=switch)))
+        routers = [layer.router for layer in model.moe_layers()]
+        assert len(routers) == MOE_LAYERS and all(r.router_logits is want for r in routers)
+    dense = tiny_model(moe_n_hash_layers=0, first_k_dense_replace=4, **SWITCH)
+    with pytest.raises(ValueError, match=r"`moe_router_logits_fusion` = True can never run: every layer is dense"):
+        load_config(dense)
 
 
 @pytest.mark.parametrize("case,match", [

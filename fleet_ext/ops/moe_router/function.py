@@ -9,7 +9,8 @@ reference on the CPU interpreter in fp32 wherever the biased scores have no tie 
 order differently (``kernel.py``: ties go to the lowest expert id). The kernels' in-kernel scoring (from
 logits) is exercised by the kernel tests and the GPU benchmark.
 
-``router_logits`` is the GEMM before the score function (``kernel_gemm.py``), for bf16 hidden states.
+``router_logits`` (``moe_router_logits_fusion``) is the fp32-accurate GEMM before the score function
+(``kernel_gemm.py``): not bitwise against the library's fp32 GEMM.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import paddle
 from paddle.autograd import PyLayer
 
 from fleet_ext import capability
+from fleet_ext.ops.launch import is_interpreted
 from fleet_ext.ops.moe_router import reference
 from fleet_ext.ops.moe_router.reference import check_route_args
 
@@ -87,13 +89,14 @@ class _RouterLogits(PyLayer):
 
 
 def router_logits(hidden: paddle.Tensor, weight: paddle.Tensor) -> paddle.Tensor:
-    """``hidden`` [T, D], ``weight`` [E, D] fp32 -> logits [T, E] fp32, as ``reference.router_logits``.
+    """``hidden`` [T, D] (bf16 / fp16 / fp32), ``weight`` [E, D] fp32 -> logits [T, E] fp32, as
+    ``reference.router_logits``: ``kernel_gemm``'s fp32-accurate products (no fp32 copy of bf16 hidden states; not
+    bitwise against the library's GEMM), autograd through its two backward GEMMs; bf16 autocast does not touch them.
 
-    bf16 hidden states go through ``kernel_gemm`` (no fp32 copy of them; bf16 tensor-core products of split
-    operands, fp32 accurate, not bitwise against the library's fp32 GEMM); other dtypes keep the reference's op
-    sequence (fp32: the cast is free and the GEMM the same maths, so the CPU model stays bitwise with the switch).
-    """
-    if hidden.dtype != paddle.bfloat16:
+    On a GPU only bf16 hidden states take the kernels: fp32 / fp16 ones (e.g. the fp32 residual stream under O1
+    autocast) keep the reference's fp32 GEMM, which the kernels' TF32x3 products did not beat on the H200 (backward
+    0.3-0.4x, ``benchmarks/RESULTS.md``). The CPU interpreter runs the kernels for every dtype (the tests)."""
+    if hidden.dtype != paddle.bfloat16 and not is_interpreted(kernel_gemm._router_logits):
         return reference.router_logits(hidden, weight)
     hidden = _contiguous(hidden)
     if (hidden.stop_gradient and weight.stop_gradient) or not paddle.is_grad_enabled():

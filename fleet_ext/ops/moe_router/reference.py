@@ -77,5 +77,6 @@ def route(
 
 def router_logits(hidden: paddle.Tensor, weight: paddle.Tensor) -> paddle.Tensor:
     """``hidden`` [T, D] (any float dtype), ``weight`` [E, D] fp32 -> logits [T, E] fp32: the router's GEMM in fp32
-    (the selections are precision-sensitive), as the routers compute it."""
-    return paddle.matmul(hidden.astype("float32"), weight, transpose_y=True)
+    (the selections are precision-sensitive), also under bf16 autocast (which would run a matmul in bf16)."""
+    with paddle.amp.auto_cast(enable=False):
+        return paddle.matmul(hidden.astype("float32"), weight, transpose_y=True)
