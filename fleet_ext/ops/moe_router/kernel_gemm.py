@@ -2,8 +2,8 @@
 
 DeepSeek-style routers compute ``logits = x W^T`` in fp32 (the selections are precision-sensitive): hidden states
 x [T, D] cast to fp32 and the fp32 router weight W [E, D]. Eager does that with a full-size fp32 copy of x and an
-fp32 GEMM on the CUDA cores (~60 TFLOP/s on an H200), and its backward with another copy of x, an fp32 [T, D]
-input gradient and a cast back. Here:
+fp32 GEMM on the CUDA cores (~40 TFLOP/s measured on the H200), and its backward with another copy of x, an fp32
+[T, D] input gradient and a cast back. Here (the fp32 operands split into bf16 pieces once per call, ``_split3``):
 
 - ``logits`` [T, E] fp32 = x W^T, x read as stored (bf16 values are exact in bf16, so only W is split into bf16
   pieces: three bf16 products, ``split_dot.DOT_BF16X3``);
@@ -16,8 +16,9 @@ input gradient and a cast back. Here:
 
 Each tile's product is formed in a fresh accumulator and added to the running sum in fp32 (``split_dot._dot``).
 Not bitwise against an fp32 library GEMM (another summation order): within fp32 rounding of it, measured in the
-tests. The interpreter multiplies in IEEE fp32 (numpy); fp32 x on a GPU takes TF32x3 products. Framework-agnostic
-host launchers (Paddle or torch tensors, ``fleet_ext.ops.launch``); this module imports neither.
+tests. The interpreter multiplies in IEEE fp32 (numpy); fp32 x on a GPU takes TF32x3 products, slower than the
+library's fp32 GEMM in the backward (RESULTS.md), so the Paddle op keeps the library for it (``function.py``).
+Framework-agnostic host launchers (Paddle or torch tensors, ``fleet_ext.ops.launch``); this module imports neither.
 """
 
 from __future__ import annotations
