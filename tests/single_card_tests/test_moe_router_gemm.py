@@ -84,8 +84,12 @@ def _paddle_run(op, dtype: str, seed: int = 0, needs: tuple[bool, bool] = (True,
     return logits, x.grad, w.grad
 
 
-def test_paddle_op_on_bf16_runs_the_kernels_and_matches_the_reference():
-    with expect_launches(*KERNELS, exactly=1):
+@pytest.mark.parametrize("pieces", ["auto", True], ids=["interpreter_default", "gpu_pieces_path"])
+def test_paddle_op_on_bf16_runs_the_kernels_and_matches_the_reference(monkeypatch, pieces):
+    """bf16 Paddle tensors through the launch route; ``PIECES`` True also runs the GPU's pieces path on them (the
+    Paddle bf16 pieces buffers of ``_split3``: W's twice, d_logits' once)."""
+    monkeypatch.setattr(kernel_gemm, "PIECES", pieces)
+    with expect_launches(*KERNELS, exactly=1), expect_launches("_split3", exactly=3 if pieces is True else 0):
         logits, d_x, d_w = _paddle_run(function.router_logits, "bfloat16")
     want_logits, want_dx, want_dw = _paddle_run(reference.router_logits, "bfloat16")
     assert logits.dtype == paddle.float32 and d_x.dtype == paddle.bfloat16 and d_w.dtype == paddle.float32
