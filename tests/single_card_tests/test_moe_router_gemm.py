@@ -59,6 +59,14 @@ def test_kernels_are_fp32_accurate(monkeypatch, pieces, dtype, tokens, experts, 
     check(d_x, dld @ wd, d_logits @ w, magnitudes(d_logits, w), "d_x")
 
 
+def test_no_tokens():
+    """A rank's empty share of the tokens: empty logits and d_x, a zero weight gradient (written, not left over)."""
+    x, w, d_logits = _torch_inputs(0, 8, 16, torch.float32)
+    assert kernel_gemm.logits(x, w).shape == (0, 8)
+    d_x, d_w = kernel_gemm.logits_backward(d_logits, x, w)
+    assert d_x.shape == (0, 16) and torch.equal(d_w, torch.zeros(8, 16))
+
+
 def test_the_accuracy_checks_catch_bf16_products():
     """Test the test: products that keep bf16 accuracy (W or d_logits not split) fail the checks above."""
     x, w, d_logits = _torch_inputs(64, 32, 256, torch.bfloat16, seed=1)

@@ -233,6 +233,8 @@ def logits(x: Any, weight: Any) -> Any:
     experts = _check(weight, "weight", [None, dim], ("float32",), "router_logits")[0]
     out = empty_like(weight, shape=[tokens, experts])
     c, mode = _tiles(_router_logits, "logits", experts), _mode(x, _router_logits)
+    if tokens == 0:  # (a rank's empty share of the tokens): nothing to launch
+        return out
     launch(_router_logits, (triton.cdiv(tokens, c["BM"]), triton.cdiv(experts, c["BN"])), detached(x),
            _pieces(weight) if mode["PIECES"] else detached(weight), out, tokens, experts, D=dim, BM=c["BM"],
            BN=c["BN"], BK=c["BK"], STAGES=c["stages"], num_warps=c["warps"], **mode)
@@ -263,6 +265,8 @@ def _dx(d_logits_in: Any, weight: Any, x: Any, mode: dict[str, Any]) -> Any:
     tokens, dim = shape_of(x)
     experts = shape_of(weight)[0]
     d_x = empty_like(x)
+    if tokens == 0:
+        return d_x
     c = _tiles(_router_dx, "dx", experts)
     launch(_router_dx, (triton.cdiv(tokens, c["BM"]), triton.cdiv(dim, c["BN"])), d_logits_in,
            _pieces(weight) if mode["PIECES"] else detached(weight), d_x, tokens, E=experts, D=dim, BM=c["BM"],
@@ -276,8 +280,8 @@ def _dw(d_logits_in: Any, x: Any, weight: Any, mode: dict[str, Any]) -> Any:
     c = _tiles(_router_dw, "dw", experts)
     grid = (triton.cdiv(experts, c["BM"]), triton.cdiv(dim, c["BN"]))
     splits = _splits(grid[0] * grid[1], tokens, c["BK"], _router_dw)
-    per_split = triton.cdiv(triton.cdiv(tokens, splits), c["BK"]) * c["BK"]
-    splits = triton.cdiv(tokens, per_split)
+    per_split = max(1, triton.cdiv(triton.cdiv(tokens, splits), c["BK"])) * c["BK"]
+    splits = max(1, triton.cdiv(tokens, per_split))  # no tokens: one split of an empty run writes the zeros
     d_w = empty_like(weight)
     part = d_w if splits == 1 else empty_like(weight, shape=[splits, experts, dim])
     launch(_router_dw, (*grid, splits), d_logits_in, detached(x), part, tokens, experts, D=dim,
