@@ -7,7 +7,7 @@ From per-expert scores ``s`` [T, E] (the score function is applied before: ``fle
 - weights: the *unbiased* scores of the selected experts, divided by their sum (+ 1e-20) when
   ``norm_topk_prob``, times ``scaling``;
 - counts: selections per expert (``bincount``), for the bias update and the dispatcher;
-- ``router_logits``: the fp32 GEMM before the score function, ``x W^T`` (the fused op's other half).
+- ``router_logits``: the fp32 GEMM before the score function, ``x W^T`` (``moe_router_logits_fusion``'s reference).
 
 The layers (``TopKRouter``, ``HashRouter``) compute the same maths with these ops; this module is the
 standalone reference the fused kernel is tested against.
