@@ -7,10 +7,9 @@ The claim is fp32 accuracy, not bitwise equality (``helpers.fp32_gemm``): each f
 float64 is at most 4x that of torch's fp32 GEMM (TF32 off) on the same values, which is what the layer's reference
 path runs. ``d_x`` (rounded to x's dtype) is within one rounding of the float64 result, plus 2^-14 of the sum of
 its terms' magnitudes (for bf16 x its products keep ~2^-16 of each term: the dropped pieces' products are at most
-3 x 2^-16), plus 4x that library error. A
-product that kept only bf16 accuracy (W or d_logits not split into pieces) fails these checks
-(``test_the_accuracy_check_catches_bf16_products``). The weight gradient's token splits add in a fixed order:
-byte-identical run to run.
+3 x 2^-16), plus 4x that library error. A product that kept only bf16 accuracy (W or d_logits not split into
+pieces) fails these checks (``test_the_accuracy_check_catches_bf16_products``). The weight gradient's token splits
+add in a fixed order: byte-identical run to run.
 """
 
 from __future__ import annotations
