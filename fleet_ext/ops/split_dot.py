@@ -67,7 +67,7 @@ def _dot(a, b, DOT: tl.constexpr, EXACT: tl.constexpr):
     lets them drop the low bits of every small product against it: a bias that grows with the number of tiles.)
 
     ``DOT_IEEE``: fp32 products (the interpreter: numpy). ``DOT_TF32X3``: Triton's three TF32 products.
-    ``DOT_BF16X3``: the operand ``EXACT`` names (1: ``a``, 2: ``b``) holds bf16 values (the bf16 streams), so
+    ``DOT_BF16X3``: the operand ``EXACT`` names (1: ``a``, 2: ``b``) holds bf16 values (mHC's bf16 streams), so
     only the other one is split into bf16 pieces: three bf16 products. ``DOT_BF16X6`` / ``DOT_BF16X3_ROUNDED``:
     both split (``_dot_split``).
     """
