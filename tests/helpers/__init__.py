@@ -4,6 +4,7 @@
 - ``tolerances``: one table per dtype, every loosening explained;
 - ``launches``: ``expect_launches``, proof that a fused kernel ran;
 - ``configs``: the tiny model configurations;
+- ``model_runs``: ``model_step``, one seeded training step of the tiny model (the model-level fusion tests);
 - ``oracles``: independent float64 NumPy oracles (``from helpers import oracles as orc``);
 - ``torch_rope``: the RoPE reference's op sequence in eager torch;
 - ``transfers``: ``HostTransfers``, counts host round trips (``from helpers.transfers import HostTransfers``);
@@ -16,9 +17,10 @@ Paddle nor torch, so tests/gpu can use it on a machine without Paddle.
 from .asserts import assert_bitwise, assert_close
 from .configs import DEFAULT_WIDTHS_2L, TINY_HYBRID_MLA, TINY_MODEL, move_constant_inits, tiny_model
 from .launches import expect_launches, launch_counts
+from .model_runs import model_step
 from .tolerances import TOLERANCES, Tol, tolerance
 
 __all__ = [
     "DEFAULT_WIDTHS_2L", "TINY_HYBRID_MLA", "TINY_MODEL", "TOLERANCES", "Tol", "assert_bitwise", "assert_close",
-    "expect_launches", "launch_counts", "move_constant_inits", "tiny_model", "tolerance",
+    "expect_launches", "launch_counts", "model_step", "move_constant_inits", "tiny_model", "tolerance",
 ]

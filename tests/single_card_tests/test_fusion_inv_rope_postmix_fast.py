@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import paddle
 import pytest
-from helpers import assert_bitwise, assert_close, expect_launches, move_constant_inits, tiny_model
+from helpers import assert_bitwise, assert_close, expect_launches, model_step, tiny_model
 from helpers import oracles as orc
 
 pytest.importorskip("triton", reason="fused kernels need Triton (installed by the `test` extra)")
@@ -271,18 +271,7 @@ SEQ = 38  # past the window (8), every compressed kind with entries (HCA pooling
 
 
 def _model_run(switches: dict) -> dict[str, np.ndarray]:
-    from fleet_ext.models import DSv4ForCausalLM
-
-    paddle.seed(0)
-    model = DSv4ForCausalLM({**tiny_model(use_vha_attention=True, hca_compress_ratio=8), **switches})
-    move_constant_inits(model, np.random.default_rng(0), 0.3)
-    rng = np.random.default_rng(3)
-    ids = paddle.to_tensor(rng.integers(0, 64, (2, SEQ)))
-    logits, loss = model(ids, labels=paddle.to_tensor(rng.integers(0, 64, (2, SEQ))))
-    loss.backward()
-    result = {"logits": logits.numpy(), "loss": loss.numpy()}
-    result.update({f"grad:{n}": p.grad.numpy() for n, p in model.named_parameters() if p.grad is not None})
-    return result
+    return model_step({**tiny_model(use_vha_attention=True, hca_compress_ratio=8), **switches}, seq=SEQ)[1]
 
 
 def test_tiny_model_with_the_fast_mode_matches_within_tolerance():

@@ -19,7 +19,7 @@ import functools
 import numpy as np
 import paddle
 import pytest
-from helpers import assert_bitwise, assert_close, expect_launches, move_constant_inits, tiny_model
+from helpers import assert_bitwise, assert_close, expect_launches, model_step, tiny_model
 from helpers import oracles as orc
 
 pytest.importorskip("triton", reason="fused kernels need Triton (installed by the `test` extra)")
@@ -254,20 +254,9 @@ SEQ = 40  # the interpreted Sinkhorn backward is the slow part on CPU: a short s
 
 
 def _model_run(switches: dict, **overrides) -> dict[str, np.ndarray]:
-    from fleet_ext.models import DSv4ForCausalLM
-
-    paddle.seed(0)
-    model = DSv4ForCausalLM(load_config(tiny_model(**switches), **overrides))
-    assert model.config.model.enable_hyper_connections and model.config.model.num_residual_streams == 4
-    move_constant_inits(model, np.random.default_rng(0), 0.3)  # mHC base / scale and norm gains off 0 / 1
-    model.train()
-    rng = np.random.default_rng(3)
-    ids = paddle.to_tensor(rng.integers(0, 64, (2, SEQ)))
-    logits, loss = model(ids, labels=paddle.to_tensor(rng.integers(0, 64, (2, SEQ))))
-    loss.backward()
-    result = {"loss": loss.numpy(), "logits": logits.numpy()}
-    result.update({f"grad:{n}": p.grad.numpy() for n, p in model.named_parameters() if p.grad is not None})
-    return result
+    config = load_config(tiny_model(**switches), **overrides)
+    assert config.model.enable_hyper_connections and config.model.num_residual_streams == 4
+    return model_step(config, seq=SEQ)[1]  # (it moves the mHC base / scale and norm gains off 0 / 1)
 
 
 _REFERENCE: dict[str, dict] = {}

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import paddle
 import pytest
-from helpers import assert_bitwise, assert_close, expect_launches, move_constant_inits, tiny_model
+from helpers import assert_bitwise, assert_close, expect_launches, model_step, tiny_model
 from helpers import oracles as orc
 
 pytest.importorskip("triton", reason="fused kernels need Triton (installed by the `test` extra)")
@@ -291,18 +291,7 @@ SEQ = 38
 
 
 def _model_run(switches: dict, **overrides) -> dict[str, np.ndarray]:
-    from fleet_ext.models import DSv4ForCausalLM
-
-    paddle.seed(0)
-    model = DSv4ForCausalLM(load_config(tiny_model(**switches, hca_compress_ratio=8), **overrides))
-    move_constant_inits(model, np.random.default_rng(0), 0.3)
-    rng = np.random.default_rng(3)
-    ids = paddle.to_tensor(rng.integers(0, 64, (2, SEQ)))
-    logits, loss = model(ids, labels=paddle.to_tensor(rng.integers(0, 64, (2, SEQ))))
-    loss.backward()
-    result = {"loss": loss.numpy(), "logits": logits.numpy()}
-    result.update({f"grad:{n}": p.grad.numpy() for n, p in model.named_parameters() if p.grad is not None})
-    return result
+    return model_step(load_config(tiny_model(**switches, hca_compress_ratio=8), **overrides), seq=SEQ)[1]
 
 
 MOE_LAYERS = 4  # TINY_MODEL: 4 layers, all MoE (the first hash-routed)

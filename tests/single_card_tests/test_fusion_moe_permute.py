@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import paddle
 import pytest
-from helpers import assert_bitwise, assert_close, expect_launches, move_constant_inits, tiny_model
+from helpers import assert_bitwise, assert_close, expect_launches, model_step, move_constant_inits, tiny_model
 
 pytest.importorskip("triton", reason="fused kernels need Triton (installed by the `test` extra)")
 pytest.importorskip("torch", reason="the Triton interpreter needs torch (installed by the `test` extra)")
@@ -239,20 +239,7 @@ def _layer_run(switches: dict, layer_number: int) -> dict[str, np.ndarray]:
 
 
 def _model_run(switches: dict, plant=None, **overrides) -> dict[str, np.ndarray]:
-    from fleet_ext.models import DSv4ForCausalLM
-
-    paddle.seed(0)
-    model = DSv4ForCausalLM(load_config(tiny_model(**switches), **overrides))
-    move_constant_inits(model, np.random.default_rng(0), 0.3)
-    if plant is not None:
-        plant(model)
-    rng = np.random.default_rng(3)
-    ids = paddle.to_tensor(rng.integers(0, 64, (2, 136)))
-    logits, loss = model(ids, labels=paddle.to_tensor(rng.integers(0, 64, (2, 136))))
-    loss.backward()
-    result = {"loss": loss.numpy(), "logits": logits.numpy()}
-    result.update({f"grad:{n}": p.grad.numpy() for n, p in model.named_parameters() if p.grad is not None})
-    return result
+    return model_step(load_config(tiny_model(**switches), **overrides), seq=136, plant=plant)[1]
 
 
 def _assert_bytes_equal(a: dict, b: dict, what: str) -> None:

@@ -15,7 +15,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 import pytest
-from helpers import assert_bitwise, assert_close, expect_launches, move_constant_inits, tiny_model
+from helpers import assert_bitwise, assert_close, expect_launches, model_step, move_constant_inits, tiny_model
 
 pytest.importorskip("triton", reason="fused kernels need Triton (installed by the `test` extra)")
 pytest.importorskip("torch", reason="the Triton interpreter needs torch (installed by the `test` extra)")
@@ -185,20 +185,10 @@ def _layer_run(switches: dict, layer_number: int) -> dict[str, np.ndarray]:
 
 
 def _model_run(switches: dict, **overrides) -> dict[str, np.ndarray]:
-    from fleet_ext.models import DSv4ForCausalLM
-
-    paddle.seed(0)
     # 2 x 38 tokens with HCA pooling 8: every attention kind has compressed entries (136 tokens with HCA at 128 took
     # over twice the time, mostly in the interpreted permute kernels some of these runs switch on)
-    model = DSv4ForCausalLM(load_config(tiny_model(**LAYER_CONFIG, **switches, hca_compress_ratio=8), **overrides))
-    move_constant_inits(model, np.random.default_rng(0), 0.3)
-    model.train()
-    rng = np.random.default_rng(3)
-    ids = paddle.to_tensor(rng.integers(0, 64, (2, 38)))
-    logits, loss = model(ids, labels=paddle.to_tensor(rng.integers(0, 64, (2, 38))))
-    loss.backward()
-    result = {"loss": loss.numpy(), "logits": logits.numpy()}
-    result.update({f"grad:{n}": p.grad.numpy() for n, p in model.named_parameters() if p.grad is not None})
+    config = load_config(tiny_model(**LAYER_CONFIG, **switches, hca_compress_ratio=8), **overrides)
+    model, result = model_step(config, seq=38)
     result.update({f"counts:{i}": m.tokens_per_expert.numpy() for i, m in enumerate(model.moe_layers())})
     return result
 
