@@ -215,8 +215,9 @@ def _rel_diff(got: tuple, want: tuple) -> float:
                for g, w in zip(got, want))
 
 
-def sweep() -> list[tuple[str, str, float, float]]:
-    """(op, variant, µs, max relative difference from the defaults' outputs), defaults first."""
+def sweep(only: list[str] | None = None) -> list[tuple[str, str, float, float]]:
+    """(op, variant, µs, max relative difference from the defaults' outputs), defaults first; ``only``: just the
+    variants of those kernels (``kernel.GPU_CONFIG`` keys)."""
     a = _inputs()
     post, comb, _, mix, r = _fused_pre(a)
 
@@ -235,6 +236,8 @@ def sweep() -> list[tuple[str, str, float, float]]:
     base = {op: call() for op, call in calls.items()}
     rows = [(op, "defaults", 1e3 * median_ms(call, fast=True), 0.0) for op, call in calls.items()]
     for op, label, tune in SWEEP:
+        if only and not set(tune) & set(only):
+            continue
         kernel.TUNE.clear()
         kernel.TUNE.update(tune)
         try:
@@ -436,6 +439,8 @@ def main() -> None:
     parser.add_argument("--probe", action="store_true", help="the bf16x3 accumulation probe")
     parser.add_argument("--warm-compile", action="store_true", help="compile the baselines and exit")
     parser.add_argument("--dx-probe", action="store_true", help="the streams' gradient with either product left out")
+    parser.add_argument("--only", nargs="+", choices=list(OP_OF), help="sweep only these kernels' variants")
+    parser.add_argument("--rounds", type=int, default=1, help="run the sweep this many times (the spread)")
     args = parser.parse_args()
     if args.warm_compile:
         return warm_compile()
@@ -453,7 +458,7 @@ def main() -> None:
               f"fp32 add {probe['fresh_max_rel']:.2e}; {probe['fresh_bias_rel']:+.2e}", flush=True)
     if args.dx_probe:
         result["dx_probe"] = dx_probe(copy_gbs)
-    result["sweep"] = [] if args.no_sweep else sweep()
+    result["sweep"] = [] if args.no_sweep else [row for _ in range(args.rounds) for row in sweep(args.only)]
     for op, label, us, diff in sorted(result["sweep"], key=lambda r: (r[0], r[2])):
         print(f"  sweep {op:4} {us:8.1f} us  diff {diff:.1e}  {label}")
     result["tune"] = pick(result["sweep"]) if args.pick else {}

@@ -5,18 +5,22 @@ between layouts through shared memory (eight CTA barriers per tile: ``G @ fn`` r
 ``x^T G`` as a warp-group MMA on a transposed copy of ``x``, the sum ``g_x`` in a third), keeps L1 80 % busy and
 spills three loop values at its 128-register cap. Here everything is computed transposed, channels as rows:
 
-- ``g_x^T = fn^T G^T`` and ``(x^T G)`` are both warp-group MMAs of M = BD channels that read their operands where
-  ``cp.async`` put them (``x`` and ``G``'s bf16 pieces) or where the program put ``fn``'s pieces once, transposed
-  views of shared memory, no copies;
-- the sum ``g_x^T = pre g_y^T + fn^T G^T + coef x^T`` is formed in the MMA result's own layout (``x`` and ``g_y``
-  read from shared memory in that layout), written transposed to shared memory and stored as 16-byte rows (stores
-  straight from the MMA layout are 2-byte scatters: that form was 1.2x slower on the H200);
+- ``g_x^T = fn^T G^T`` and ``(x^T G)`` are both warp-group MMAs of M = BD channels. Their A operands sit in
+  registers: ``fn``'s two pieces for the whole program, and each tile's ``x^T``, read from shared memory once for its
+  three products and the ``coef x`` term. Only the B operands, ``G``'s bf16 pieces, are read from shared memory
+  by the MMAs, where ``cp.async`` put them (transposed views, no copies). With the A operands in shared memory as
+  well, the tensor-core products read 2.5x the bytes, and shared memory was the busiest unit (ncu: 64 % of its
+  wavefronts, 414 us; with them in registers 46 %, 358 us);
+- ``pre`` and ``coef`` ride the ``cp.async`` ring with the tile (a load from L2 per tile otherwise: ncu's top
+  long-scoreboard stalls, 358 -> 349 us);
+- the sum ``g_x^T = pre g_y^T + fn^T G^T + coef x^T`` is formed in the MMA result's own layout, written transposed
+  to shared memory and stored as 16-byte rows (stores straight from the MMA layout are 2-byte scatters: that form
+  was 1.2x slower on the H200);
 - two CTA barriers per tile of its own (the ``cp.async`` ring, each stage refilled once every thread is done with
-  it; the staged output); Triton's barrier analysis adds two more between ring slots it cannot tell apart (unrolling
+  it; the staged output); Triton's barrier analysis adds more between ring slots it cannot tell apart (unrolling
   the ring by slot did not remove them and doubled the registers, offline).
 
-H200, T 16384 x 4 x 4096 bf16: 410 us (70 % of copy) against the Triton kernel's 510 (56 %), the pre backward op
-1.16x (``benchmarks/RESULTS.md``).
+H200, T 16384 x 4 x 4096 bf16 (ncu, ``benchmarks/RESULTS.md``): 349 us against the Triton kernel's 510.
 
 Products as the Triton kernel's with bf16 streams and ``G``'s pieces (``PIECES``): ``G @ fn`` the three largest
 bf16 products of both operands' pieces, smallest first, in a fresh accumulator (``DOT_BF16X3_ROUNDED``); ``x^T G``
@@ -36,12 +40,13 @@ from fleet_ext.ops.mhc.kernel_proj_gluon import _piece_rings
 
 
 @gluon.jit
-def _issue_tile(src, bufs, slot, t0, t_end, T, k, d, d_ok, K, D: gl.constexpr, NO: gl.constexpr, BT: gl.constexpr,
-                tile_l: gl.constexpr, g_l: gl.constexpr):
+def _issue_tile(src, bufs, slot, t0, t_end, T, j, k, d, d_ok, K, D: gl.constexpr, P: gl.constexpr, NO: gl.constexpr,
+                BT: gl.constexpr, tile_l: gl.constexpr, g_l: gl.constexpr, sc_l: gl.constexpr):
     """``cp.async`` of one token tile: ``x`` [BT, BD] of this stream's channels, ``g_y`` [BT, BD], ``G``'s three
-    bf16 pieces [BT, NO] (rows past ``t_end`` zero-filled), into ring slot ``slot``; one commit group."""
-    x_ptr, dy_ptr, g_ptr = src
-    x_s, dy_s, g_hi_s, g_mid_s, g_lo_s = bufs
+    bf16 pieces [BT, NO], the tokens' pre gate of stream ``j`` and their ``coef`` (rows past ``t_end``
+    zero-filled), into ring slot ``slot``; one commit group."""
+    x_ptr, dy_ptr, g_ptr, pre_ptr, coef_ptr = src
+    x_s, dy_s, g_hi_s, g_mid_s, g_lo_s, sc_s = bufs
     t = t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, tile_l))
     m = (t < t_end)[:, None] & d_ok[None, :]
     rows = t.to(gl.int64)[:, None]
@@ -54,40 +59,42 @@ def _issue_tile(src, bufs, slot, t0, t_end, T, k, d, d_ok, K, D: gl.constexpr, N
     async_copy.async_copy_global_to_shared(g_hi_s.index(slot), g_rows, mask=mg)
     async_copy.async_copy_global_to_shared(g_mid_s.index(slot), g_rows + T * NO, mask=mg)
     async_copy.async_copy_global_to_shared(g_lo_s.index(slot), g_rows + 2 * T * NO, mask=mg)
+    ts = t0 + gl.arange(0, BT, layout=sc_l)  # 4-byte copies, replicated over the warps (the same values)
+    async_copy.async_copy_global_to_shared(sc_s.index(2 * slot), pre_ptr + ts * P + j, mask=ts < t_end)
+    async_copy.async_copy_global_to_shared(sc_s.index(2 * slot + 1), coef_ptr + ts, mask=ts < t_end)
     async_copy.commit_group()
 
 
 @gluon.jit
-def _tile_step(i, acc, src, bufs, w_hi_t, w_mid_t, dx_s, pre_ptr, coef_ptr, dx_ptr, t_start, t_end, T, j, k, d, d_ok,
-               cols, t_rows, K, D: gl.constexpr, P: gl.constexpr, NO: gl.constexpr, BT: gl.constexpr,
-               BD: gl.constexpr, STAGES: gl.constexpr, gx_l: gl.constexpr, xg_l: gl.constexpr,
-               tile_l: gl.constexpr, g_l: gl.constexpr):
+def _tile_step(i, acc, src, bufs, w_hi, w_mid, dx_s, dx_ptr, t_start, t_end, T, j, k, d, d_ok, t_rows, K,
+               D: gl.constexpr, P: gl.constexpr, NO: gl.constexpr, BT: gl.constexpr, BD: gl.constexpr,
+               STAGES: gl.constexpr, gx_l: gl.constexpr, xg_l: gl.constexpr, tile_l: gl.constexpr, g_l: gl.constexpr,
+               sc_l: gl.constexpr):
     """Token tile ``i`` (ring slot ``i % STAGES``): its ``g_x`` stored, its ``x^T G`` added to ``acc`` (returned)."""
-    x_s, dy_s, g_hi_s, g_mid_s, g_lo_s = bufs
+    x_s, dy_s, g_hi_s, g_mid_s, g_lo_s, sc_s = bufs
     slot = i % STAGES
-    t = t_start + i * BT + cols
-    t_ok = t < t_end
-    pre = gl.load(pre_ptr + t * P + j, mask=t_ok, other=0.0)
-    coef = gl.load(coef_ptr + t, mask=t_ok, other=0.0)
     async_copy.wait_group(STAGES - 2)  # this thread's copies of tile i have landed
-    fence_async_shared()  # ... and are visible to the MMAs (so are fn's pieces, stored before the loop)
+    fence_async_shared()  # ... and are visible to the MMAs
     gl.thread_barrier()  # everyone's are, and everyone is done with tile i - 1's slot
-    _issue_tile(src, bufs, (i + STAGES - 1) % STAGES, t_start + (i + STAGES - 1) * BT, t_end, T, k, d, d_ok, K,
-                D, NO, BT, tile_l, g_l)
+    _issue_tile(src, bufs, (i + STAGES - 1) % STAGES, t_start + (i + STAGES - 1) * BT, t_end, T, j, k, d, d_ok, K,
+                D, P, NO, BT, tile_l, g_l, sc_l)
+    pre = sc_s.index(2 * slot).load(gl.SliceLayout(0, gx_l))
+    coef = sc_s.index(2 * slot + 1).load(gl.SliceLayout(0, gx_l))
     g_hi = g_hi_s.index(slot)
     g_mid = g_mid_s.index(slot)
     g_lo = g_lo_s.index(slot)
-    x_t = x_s.index(slot).permute((1, 0))  # [BD, BT]
+    # x^T [BD, BT], read from shared memory once: the A operand of its three products, and coef x below
+    x_a = x_s.index(slot).permute((1, 0)).load(gl.DotOperandLayout(operand_index=0, parent=xg_l, k_width=2))
     # g_x^T = fn^T G^T from the pieces, smallest first (G_mid fn_hi, G_hi fn_mid, G_hi fn_hi)
-    gx = warpgroup_mma(w_hi_t, g_mid.permute((1, 0)), gl.zeros([BD, BT], gl.float32, gx_l), use_acc=False,
+    gx = warpgroup_mma(w_hi, g_mid.permute((1, 0)), gl.zeros([BD, BT], gl.float32, gx_l), use_acc=False,
                        is_async=True)
-    gx = warpgroup_mma(w_mid_t, g_hi.permute((1, 0)), gx, is_async=True)
-    gx = warpgroup_mma(w_hi_t, g_hi.permute((1, 0)), gx, is_async=True)
+    gx = warpgroup_mma(w_mid, g_hi.permute((1, 0)), gx, is_async=True)
+    gx = warpgroup_mma(w_hi, g_hi.permute((1, 0)), gx, is_async=True)
     # x^T G from G's pieces, smallest first, fresh for this tile
-    xg = warpgroup_mma(x_t, g_lo, gl.zeros([BD, NO], gl.float32, xg_l), use_acc=False, is_async=True)
-    xg = warpgroup_mma(x_t, g_mid, xg, is_async=True)
-    xg = warpgroup_mma(x_t, g_hi, xg, is_async=True)
-    xv = x_t.load(gx_l).to(gl.float32)
+    xg = warpgroup_mma(x_a, g_lo, gl.zeros([BD, NO], gl.float32, xg_l), use_acc=False, is_async=True)
+    xg = warpgroup_mma(x_a, g_mid, xg, is_async=True)
+    xg = warpgroup_mma(x_a, g_hi, xg, is_async=True)
+    xv = gl.convert_layout(x_a, gx_l).to(gl.float32)  # the same elements per thread at BT = NO: no data moves
     dyv = dy_s.index(slot).permute((1, 0)).load(gx_l).to(gl.float32)
     gx = warpgroup_mma_wait(num_outstanding=3, deps=(gx,))
     dx = (pre[None, :] * dyv + gx + coef[None, :] * xv).to(dx_ptr.dtype.element_ty)
@@ -133,15 +140,17 @@ def _mhc_dx_gluon(
     g_hi_s, g_mid_s, g_lo_s = _piece_rings(dtype, STAGES, BT, NO)
     w_s = gl.allocate_shared_memory(dtype, [2, NO, BD], w_sl)
     dx_s = gl.allocate_shared_memory(dtype, [BT, BD], x_sl)  # g_x^T written transposed, read row-major
-    src = (x_ptr, dy_ptr, g_ptr)
-    bufs = (x_s, dy_s, g_hi_s, g_mid_s, g_lo_s)
+    sc_l: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
+    sc_s = gl.allocate_shared_memory(gl.float32, [2 * STAGES, BT], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    src = (x_ptr, dy_ptr, g_ptr, pre_ptr, coef_ptr)
+    bufs = (x_s, dy_s, g_hi_s, g_mid_s, g_lo_s, sc_s)
 
     d = d0 + gl.arange(0, BD, layout=gl.SliceLayout(0, tile_l))
     d_ok = d < D
     k = j * D + d
     n_tiles = gl.cdiv(t_end - t_start, BT)
     for p in gl.static_range(STAGES - 1):  # the ring's first tiles in flight while fn's pieces are made
-        _issue_tile(src, bufs, p, t_start + p * BT, t_end, T, k, d, d_ok, K, D, NO, BT, tile_l, g_l)
+        _issue_tile(src, bufs, p, t_start + p * BT, t_end, T, j, k, d, d_ok, K, D, P, NO, BT, tile_l, g_l, sc_l)
 
     c_w = gl.arange(0, NO, layout=gl.SliceLayout(1, w_l))
     d_w = d0 + gl.arange(0, BD, layout=gl.SliceLayout(0, w_l))
@@ -150,15 +159,17 @@ def _mhc_dx_gluon(
     w_hi = w.to(dtype)
     w_s.index(0).store(w_hi)
     w_s.index(1).store((w - w_hi.to(gl.float32)).to(dtype))  # the middle piece; G @ fn never uses the lowest
-    w_hi_t = w_s.index(0).permute((1, 0))  # [BD, NO]: fn^T, the A operand of G @ fn transposed
-    w_mid_t = w_s.index(1).permute((1, 0))
+    gl.thread_barrier()
+    # fn^T's pieces [BD, NO], the A operands of G @ fn, in registers for the whole program
+    w_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=gx_l, k_width=2)
+    w_hi = w_s.index(0).permute((1, 0)).load(w_a)
+    w_mid = w_s.index(1).permute((1, 0)).load(w_a)
 
-    cols = gl.arange(0, BT, layout=gl.SliceLayout(0, gx_l))  # a tile's tokens, the columns of g_x^T
     acc = gl.zeros([BD, NO], gl.float32, xg_l)
     t_rows = gl.arange(0, BT, layout=gl.SliceLayout(1, tile_l))
     for i in range(n_tiles):
-        acc = _tile_step(i, acc, src, bufs, w_hi_t, w_mid_t, dx_s, pre_ptr, coef_ptr, dx_ptr, t_start, t_end, T, j, k,
-                         d, d_ok, cols, t_rows, K, D, P, NO, BT, BD, STAGES, gx_l, xg_l, tile_l, g_l)
+        acc = _tile_step(i, acc, src, bufs, w_hi, w_mid, dx_s, dx_ptr, t_start, t_end, T, j, k, d, d_ok, t_rows, K, D,
+                         P, NO, BT, BD, STAGES, gx_l, xg_l, tile_l, g_l, sc_l)
     async_copy.wait_group(0)
     c = gl.arange(0, NO, layout=gl.SliceLayout(0, xg_l))
     ch = d0 + gl.arange(0, BD, layout=gl.SliceLayout(1, xg_l))
