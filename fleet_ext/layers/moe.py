@@ -25,6 +25,7 @@ from paddle.autograd import PyLayer
 from fleet_ext.framework.aux_loss import AuxLossAutoScaler
 from fleet_ext.framework.contracts import MoEOps
 from fleet_ext.framework.layer import FleetLayer
+from fleet_ext.framework.precision import autocast_matmul_dtype
 from fleet_ext.layers.mlp import SwiGLUMLP, check_hidden
 from fleet_ext.ops.moe_experts.reference import grouped_mlp
 from fleet_ext.ops.moe_permute import reference as permute_reference
@@ -394,11 +395,18 @@ class GroupedExperts(FleetLayer):
 
     def _grouped(self, rows: paddle.Tensor, counts: paddle.Tensor, max_count: int) -> paddle.Tensor:
         """The experts slot on expert-sorted ``rows`` with ``counts`` [E] (device) of this rank's weights; the
-        reference is told ``max(counts)``, which the layer has on the host already."""
+        reference is told ``max(counts)``, which the layer has on the host already.
+
+        The experts are matmuls: under Paddle's autocast their operands are cast here to its dtype, as Paddle's
+        own matmul would cast them (``framework.precision``), for the reference and the fused slot alike."""
         # ``maybe_checkpointed(True, ...)``: resolves recompute's ``checkpointed`` at call time (as the layers do).
         checkpoint = partial(maybe_checkpointed, True)
         experts = self.ops.experts or partial(grouped_mlp, max_count=max_count, checkpoint=checkpoint)
-        return experts(rows, counts, self.weight1, self.weight2, self.limit, self.recompute_activation)
+        weight1, weight2 = self.weight1, self.weight2
+        dtype = autocast_matmul_dtype(rows)
+        if dtype is not None:
+            rows, weight1, weight2 = rows.astype(dtype), weight1.astype(dtype), weight2.astype(dtype)
+        return experts(rows, counts, weight1, weight2, self.limit, self.recompute_activation)
 
     def _expert_parallel(
         self, x_sorted: paddle.Tensor, hidden_states: paddle.Tensor, indices: paddle.Tensor, table: np.ndarray
