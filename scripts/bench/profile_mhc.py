@@ -1,5 +1,5 @@
-"""Nsight Compute profile of the mHC pre backward's kernels at V4-Flash's shape: the streams' gradient (Gluon and
-Triton) and the gates' pass with the Sinkhorn backward.
+"""Nsight Compute profile of the mHC pre op's kernels at V4-Flash's shape: the streams' gradient (Gluon and
+Triton), the gates' pass with the Sinkhorn backward, the projection (Gluon).
 
 Run on the H200 from the repository root (ncu is on the GPU machine):
 
@@ -24,7 +24,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 # kind: (kernel profiled, kernel.GLUON, kernel.TUNE)
 KERNELS = {"gluon": ("_mhc_dx_gluon", "gluon", {}), "triton": ("_mhc_dx_bwd", "triton", {}),
-           "gates": ("_mhc_gates_bwd", "auto", {})}
+           "gates": ("_mhc_gates_bwd", "auto", {}), "proj": ("_mhc_proj_gluon", "gluon", {})}
 STALLS = ("long_scoreboard", "short_scoreboard", "barrier", "wait", "math_pipe_throttle", "mio_throttle",
           "lg_throttle", "membar", "dispatch_stall", "not_selected", "selected", "no_instruction", "sleeping",
           "branch_resolving", "drain", "tex_throttle", "imc_miss")
