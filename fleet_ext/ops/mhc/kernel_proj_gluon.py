@@ -8,8 +8,8 @@ each step is three m64n32 warp-group MMAs (the pieces smallest first, in a fresh
 sum in fp32, as ``split_dot._dot``) whose A operand, the streams' tile, is read from shared memory once into
 registers and serves the three products and the squares (with A from shared memory they read it three times more:
 ncu on the H200 161.5 us, 73 % of shared-memory wavefronts; from registers 149.5 us, 42 %). The squares accumulate
-per thread and are reduced once at the end. Other MMA shapes and another order of the squares' sum than the Triton kernel: equal
-to rounding, not bitwise; deterministic. Device code only, sm90; ``kernel.pre_forward`` chooses it
+per thread and are reduced once at the end. Other MMA shapes and another order of the squares' sum than the Triton
+kernel: equal to rounding, not bitwise; deterministic. Device code only, sm90; ``kernel.pre_forward`` chooses it
 (``kernel.GLUON``).
 """
 
