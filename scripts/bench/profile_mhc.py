@@ -95,7 +95,7 @@ def main() -> None:
         return
     os.makedirs(args.out, exist_ok=True)
     results = {kind: profile(kind, args.out, args.source, args.tune) for kind in args.kinds}
-    print(f"\n{'ncu, mHC pre backward, T 16384 x 4 x 4096 bf16':50s}" + "".join(f"{k:>14s}" for k in results))
+    print(f"\n{'ncu, mHC pre op, T 16384 x 4 x 4096 bf16':50s}" + "".join(f"{k:>14s}" for k in results))
     for label in METRICS:
         print(f"{label:50s}" + "".join(f"{results[k][label]:>14s}" for k in results))
 
