@@ -30,8 +30,8 @@ in V4-Flash); everything else per token is tiny (24 mixing logits, an n x n matr
   D) are summed inside each thread across the channel tiles and across threads once at the end, in order.
 - *On Hopper* (``GLUON``, bf16 streams, n = 4) the projection and the streams' gradient run as Gluon kernels
   (``kernel_proj_gluon.py`` after ``_mhc_fn_pieces`` has split ``fn`` once, ``kernel_dx_gluon.py``): the same
-  boundaries and products, with their operands where ``cp.async`` put them in shared memory (the reasons and the
-  H200 timings are in those modules).
+  boundaries and products as warp-group MMAs, their operands staged by ``cp.async``, each tile's A operand read
+  from shared memory once into registers (the reasons and the H200 timings are in those modules).
 
 Deterministic: every sum has one fixed order for a given launch geometry (no atomics), so results are
 byte-identical run to run.
