@@ -367,10 +367,11 @@ class GroupedExperts(FleetLayer):
         self._check(hidden_states, indices, weights)
         x_sorted, plan = self.ops.permute(hidden_states, indices, self.num_experts, check_range=False)
         counts, table = self._read_host(indices, plan.counts)
+        compute = self._compute_weights(x_sorted)
         if self.ep is not None:
-            y = self._expert_parallel(x_sorted, hidden_states, indices, table)
+            y = self._expert_parallel(x_sorted, hidden_states, indices, table, compute)
         else:
-            y = self._grouped(x_sorted, plan.counts, max(counts))
+            y = self._grouped(x_sorted, plan.counts, max(counts), compute)
         return self.ops.unpermute(y, weights, plan)
 
     def _read_host(self, indices: paddle.Tensor, counts: paddle.Tensor) -> tuple[list[int], np.ndarray | None]:
@@ -393,23 +394,30 @@ class GroupedExperts(FleetLayer):
         table = np.asarray(values[2 + e :], dtype=np.int64).reshape([-1, e]) if self.ep is not None else None
         return mine, table
 
-    def _grouped(self, rows: paddle.Tensor, counts: paddle.Tensor, max_count: int) -> paddle.Tensor:
-        """The experts slot on expert-sorted ``rows`` with ``counts`` [E] (device) of this rank's weights; the
-        reference is told ``max(counts)``, which the layer has on the host already.
+    def _compute_weights(self, rows: paddle.Tensor) -> tuple[paddle.dtype | None, paddle.Tensor, paddle.Tensor]:
+        """(dtype, weight1, weight2): this rank's weights in the dtype the experts compute in. The experts are
+        matmuls: under Paddle's autocast their operands are cast to its dtype (None: no cast), as Paddle's own matmul
+        would cast them (``framework.precision``), for the reference and the fused slot alike; once per forward."""
+        dtype = autocast_matmul_dtype(rows)
+        if dtype is None:
+            return None, self.weight1, self.weight2
+        return dtype, self.weight1.astype(dtype), self.weight2.astype(dtype)
 
-        The experts are matmuls: under Paddle's autocast their operands are cast here to its dtype, as Paddle's
-        own matmul would cast them (``framework.precision``), for the reference and the fused slot alike."""
+    def _grouped(self, rows: paddle.Tensor, counts: paddle.Tensor, max_count: int,
+                 compute: tuple[paddle.dtype | None, paddle.Tensor, paddle.Tensor]) -> paddle.Tensor:
+        """The experts slot on expert-sorted ``rows`` with ``counts`` [E] (device) and the weights of ``compute``
+        (:meth:`_compute_weights`: ``rows`` are cast to its dtype); the reference is told ``max(counts)``, which the
+        layer has on the host already."""
         # ``maybe_checkpointed(True, ...)``: resolves recompute's ``checkpointed`` at call time (as the layers do).
         checkpoint = partial(maybe_checkpointed, True)
         experts = self.ops.experts or partial(grouped_mlp, max_count=max_count, checkpoint=checkpoint)
-        weight1, weight2 = self.weight1, self.weight2
-        dtype = autocast_matmul_dtype(rows)
-        if dtype is not None:
-            rows, weight1, weight2 = rows.astype(dtype), weight1.astype(dtype), weight2.astype(dtype)
+        dtype, weight1, weight2 = compute
+        rows = rows if dtype is None else rows.astype(dtype)
         return experts(rows, counts, weight1, weight2, self.limit, self.recompute_activation)
 
     def _expert_parallel(
-        self, x_sorted: paddle.Tensor, hidden_states: paddle.Tensor, indices: paddle.Tensor, table: np.ndarray
+        self, x_sorted: paddle.Tensor, hidden_states: paddle.Tensor, indices: paddle.Tensor, table: np.ndarray,
+        compute: tuple[paddle.dtype | None, paddle.Tensor, paddle.Tensor],
     ) -> paddle.Tensor:
         """Rows to their experts' owners, the local experts run once per source rank on that source's rows, outputs
         back in this rank's expert-sorted order (``fleet_ext.parallel.expert_parallel``).
@@ -427,7 +435,8 @@ class GroupedExperts(FleetLayer):
         for source in range(layout.size):
             n = sum(layout.local_counts(source))
             if n:
-                outs.append(self._grouped(received[start : start + n], local[source], int(layout.counts[source].max())))
+                outs.append(self._grouped(received[start : start + n], local[source], int(layout.counts[source].max()),
+                                          compute))
                 start += n
         y = paddle.concat(outs, axis=0) if outs else received[:0]
         return combine_rows(y, layout, self.ep)

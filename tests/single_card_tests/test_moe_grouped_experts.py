@@ -55,8 +55,9 @@ def loop_experts(rows, counts: list[int], weight1, weight2, limit: float) -> pad
 class LoopExperts(GroupedExperts):
     """The layer with its experts computed by the loop (permute, unpermute and the checks are the layer's)."""
 
-    def _grouped(self, rows, counts, max_count):
-        return loop_experts(rows, counts.tolist(), self.weight1, self.weight2, self.limit)
+    def _grouped(self, rows, counts, max_count, compute):
+        _, weight1, weight2 = compute  # the layer's weights (no autocast on the CPU)
+        return loop_experts(rows, counts.tolist(), weight1, weight2, self.limit)
 
 
 # -- data ---------------------------------------------------------------------------------------------------------
