@@ -30,6 +30,21 @@ def median_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
 
 
+def steady_ms(fn, calls: int = 10) -> float:
+    """Mean ms per call of ``calls`` back-to-back calls between two events (after two warm-up calls): no L2 flush
+    and no gap between calls, as layers run in a training step (``do_bench`` flushes L2 before each call)."""
+    fn()
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls
+
+
 def copy_bandwidth_gbs(n_bytes: int = 2 << 30) -> float:
     """Device-to-device copy, bytes read + written per second."""
     src = torch.empty(n_bytes // 2, dtype=torch.bfloat16, device="cuda").normal_()

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import triton
+from bench_fusions import steady_ms  # scripts/bench is on sys.path wherever this module is imported
 from torch import Tensor
 
 from fleet_ext.ops.moe_experts import kernel as ek
@@ -60,21 +61,6 @@ LAYER_ROUNDS = 3  # whole-layer rows: median of this many alternating rounds (on
 
 def median_ms(fn: Callable, rep: int = 200) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
-
-
-def steady_ms(fn: Callable, calls: int = 10) -> float:
-    """Mean ms per call of ``calls`` back-to-back calls between two events (after two warm-up calls): no L2 flush
-    and no gap between calls, as layers run in a training step (``do_bench`` flushes L2 before each call)."""
-    fn()
-    fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / calls
 
 
 def rel_norm(got: torch.Tensor, want: torch.Tensor) -> float:

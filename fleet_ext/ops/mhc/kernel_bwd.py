@@ -64,23 +64,24 @@ def _sinkhorn_bwd(z, g, valid, rows, eps, ITERS: tl.constexpr):
 @triton.jit
 def _sinkhorn_bwd_stored(z, g, valid, rows, eps, states, mask, ITERS: tl.constexpr, PP: tl.constexpr):
     """``_sinkhorn_bwd`` with the forward's states stored once instead of recomputed for every step: O(ITERS)
-    small operations instead of O(ITERS^2). ``states`` [BT, P, P] points at this block's first slot of a
+    small operations instead of O(ITERS^2). ``states`` [BT, P * P] points at this block's first slot of a
     [T, 2 ITERS - 1, P, P] fp32 scratch (slot 2m: the state after m row normalisations, 2m - 1: the column
-    normalisation before it), ``mask`` the valid entries of real tokens. The same operations in the same order as
-    the recomputation, so the same bytes."""
+    normalisation before it), ``mask`` [BT, P * P] the valid entries of real tokens; each state goes through memory
+    as a token's P * P row and is reshaped to [BT, P, P] (see ``_logit_grads``). The same operations in the same
+    order as the recomputation, so the same bytes."""
     s = _softmax_rows(z, valid, rows)
     a0 = tl.where(valid, s + eps, 0.0)
     a = a0
     for m in range(1, ITERS):
         b = a / (tl.reduce(a, 1, _sum_combine)[:, None, :] + eps)
         a = b / (tl.reduce(b, 2, _sum_combine)[:, :, None] + eps)
-        tl.store(states + (2 * m - 1) * PP, b, mask=mask)
-        tl.store(states + (2 * m) * PP, a, mask=mask)
+        tl.store(states + (2 * m - 1) * PP, tl.reshape(b, [z.shape[0], PP]), mask=mask)
+        tl.store(states + (2 * m) * PP, tl.reshape(a, [z.shape[0], PP]), mask=mask)
     tl.debug_barrier()  # read back below in the same layout; L2 (.cg), as ``kernel_fwd._logits`` says why
     for k in range(ITERS - 1):
         step = ITERS - 1 - k
-        a = tl.load(states + (2 * step) * PP, mask=mask, other=0.0, cache_modifier=".cg")
-        b = tl.load(states + (2 * step - 1) * PP, mask=mask, other=0.0, cache_modifier=".cg")
+        a = tl.reshape(tl.load(states + (2 * step) * PP, mask=mask, other=0.0, cache_modifier=".cg"), z.shape)
+        b = tl.reshape(tl.load(states + (2 * step - 1) * PP, mask=mask, other=0.0, cache_modifier=".cg"), z.shape)
         c = tl.reduce(a, 1, _sum_combine)[:, None, :] + eps  # the step's column normalisation, backwards
         g = tl.where(valid, (g - tl.reduce(g * (a / c), 1, _sum_combine)[:, None, :]) / c, 0.0)
         c = tl.reduce(b, 2, _sum_combine)[:, :, None] + eps  # its row normalisation, backwards
@@ -147,17 +148,23 @@ def _logit_grads(mix_ptr, base_ptr, scale_ptr, dpost_ptr, dcomb_ptr, dz_ptr, sta
         s = _sigmoid(_logits(mix_ptr, base_ptr, scale_ptr, tt, t_mask[:, None], N + p, p < N, 1, NOUT))
         d_post = tl.load(dpost_ptr + tt * N + p, mask=tm, other=0.0)
         tl.store(dz_ptr + tt * NOUT + N + p, (2.0 * d_post) * s * (1.0 - s), mask=tm)
-        i, j, valid, rows = _comb_tile(P, N)
-        t3 = t[:, None, None]
-        t3_mask = t_mask[:, None, None]
-        z = _logits(mix_ptr, base_ptr, scale_ptr, t3, t3_mask, 2 * N + i * N + j, valid, 2, NOUT)
-        g = tl.load(dcomb_ptr + t3 * (N * N) + i * N + j, mask=t3_mask & valid, other=0.0)
+        # Each token's P x P tile goes through memory as one row of P * P and is reshaped to [BT, P, P] here: the
+        # 3-D pointers' loads made Triton spread a tile's rows over warps (every column sum through shared memory and
+        # a barrier); from the rows the tile stays within a warp (sums by shuffles).
+        _, _, valid, rows = _comb_tile(P, N)
+        f = tl.arange(0, P * P)[None, :]
+        fi, fj = f // P, f % P
+        flat_valid = (fi < N) & (fj < N)
+        tt_mask = t_mask[:, None] & flat_valid
+        z = tl.reshape(_logits(mix_ptr, base_ptr, scale_ptr, tt, t_mask[:, None], 2 * N + fi * N + fj, flat_valid, 2,
+                               NOUT), [t.shape[0], P, P])
+        g = tl.reshape(tl.load(dcomb_ptr + tt * (N * N) + fi * N + fj, mask=tt_mask, other=0.0), [t.shape[0], P, P])
         if STATES:
-            states = states_ptr + t3 * ((2 * ITERS - 1) * P * P) + i * P + j
-            g = _sinkhorn_bwd_stored(z, g, valid, rows, eps, states, t3_mask & valid, ITERS, P * P)
+            states = states_ptr + tt * ((2 * ITERS - 1) * P * P) + f
+            g = _sinkhorn_bwd_stored(z, g, valid, rows, eps, states, tt_mask, ITERS, P * P)
         else:
             g = _sinkhorn_bwd(z, g, valid, rows, eps, ITERS)
-        tl.store(dz_ptr + t3 * NOUT + 2 * N + i * N + j, g, mask=t3_mask & valid)
+        tl.store(dz_ptr + tt * NOUT + 2 * N + fi * N + fj, tl.reshape(g, [t.shape[0], P * P]), mask=tt_mask)
 
 
 @triton.jit
