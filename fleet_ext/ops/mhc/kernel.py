@@ -81,8 +81,9 @@ KERNELS = ("_mhc_proj_fwd", "_mhc_fn_pieces", "_mhc_proj_gluon", "_mhc_pre_fwd",
 # (the pass alone 155, the Sinkhorn backward alone 78; states loaded three steps ahead: no gain; the Sinkhorn
 # programs interleaved with the pass's, INTERLEAVE: 1.3 %, under the margin); run 12: dx_gluon's A operands in
 # registers and pre / coef on its cp.async ring, 414 -> 349 us (ncu), proj_gluon's tile as a register A operand
-# 162 -> 150 us (ncu); one token's Sinkhorn per thread in the gates grid (SINKHORN_BT 256, 80 registers) 210 -> 228
-# us, the pass on 4 warps (BT 1 or 2) no gain. Combine
+# 162 -> 150 us (ncu); the Sinkhorn backward's tiles within a warp (kernel_bwd._logit_grads) 210 -> 189 us (ncu);
+# one token's Sinkhorn per thread in the gates grid (SINKHORN_BT 256, 80 registers) 210 -> 228 us, the pass on 4
+# warps (BT 1 or 2) no gain. Combine
 # backward: 449 us at one token and 4 warps per program, its variants 452-497; its BD is a multiple of
 # 32 x num_warps x the 16-byte vector, which its layout needs (``kernel_bwd._mhc_combine_bwd``).
 GPU_CONFIG: dict[str, dict[str, int]] = {
