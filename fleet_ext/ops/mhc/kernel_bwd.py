@@ -148,9 +148,9 @@ def _logit_grads(mix_ptr, base_ptr, scale_ptr, dpost_ptr, dcomb_ptr, dz_ptr, sta
         s = _sigmoid(_logits(mix_ptr, base_ptr, scale_ptr, tt, t_mask[:, None], N + p, p < N, 1, NOUT))
         d_post = tl.load(dpost_ptr + tt * N + p, mask=tm, other=0.0)
         tl.store(dz_ptr + tt * NOUT + N + p, (2.0 * d_post) * s * (1.0 - s), mask=tm)
-        # Each token's P x P tile goes through memory as one row of P * P and is reshaped to [BT, P, P] here: the
-        # 3-D pointers' loads made Triton spread a tile's rows over warps (every column sum through shared memory and
-        # a barrier); from the rows the tile stays within a warp (sums by shuffles).
+        # Each token's P x P tile goes through memory as one row of P * P and is reshaped to [BT, P, P] here: loads
+        # through 3-D pointers made Triton spread a tile's rows over warps (every column sum through shared memory
+        # and a barrier); loaded as rows, a tile stays within one warp (its sums are shuffles).
         _, _, valid, rows = _comb_tile(P, N)
         f = tl.arange(0, P * P)[None, :]
         fi, fj = f // P, f % P
