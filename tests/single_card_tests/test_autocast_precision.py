@@ -1,8 +1,11 @@
-"""``framework.precision.autocast_matmul_dtype`` and the routed experts' use of it (CPU, PaddlePaddle 3.3.1).
+"""What the trainer's ``bf16: true`` (Paddle's O1 autocast) does to the matmuls Paddle cannot see or must not cast
+(CPU, PaddlePaddle 3.3.1): ``framework.precision.autocast_matmul_dtype`` and the routed experts' use of it, and the
+fp32 references (mHC, the router's logits) running their matmuls with autocast off.
 
-Why: under the trainer's ``bf16: true`` (Paddle's O1 autocast) the MoE rows (the fp32 residual stream) and the fp32
-master weights reach the experts slot as fp32, and Paddle's autocast never sees the slot's matmuls (a PyLayer, or
-the fused Triton op). The layer therefore casts its operands where a Paddle matmul would have been cast.
+Why: under O1 the MoE rows (the fp32 residual stream) and the fp32 master weights reach the experts slot as fp32,
+and Paddle's autocast never sees the slot's matmuls (a PyLayer, or the fused Triton op): the layer casts its operands
+where a Paddle matmul would have been cast. The mHC and router references promise fp32 arithmetic, which O1 would
+turn into bf16 matmuls: they switch autocast off around them.
 
 Paddle's autocast is a no-op on the CPU (``amp_guard`` turns itself off there, with a warning), so these tests set
 the tracer's AMP state the way ``amp_guard`` sets it on a GPU (``_amp_level`` and ``_amp_dtype``, which Paddle's own
@@ -109,3 +112,31 @@ def test_routed_experts_compute_in_the_autocast_dtype():
     assert_bitwise(g1, _bf16(want_g1), "weight1 gradient under autocast")
     assert_bitwise(g2, _bf16(want_g2), "weight2 gradient under autocast")
     assert not np.array_equal(out, plain[0]), "the planted-difference check: rounding must show at these values"
+
+
+def test_fp32_references_run_their_matmuls_with_autocast_off(monkeypatch):
+    """The mHC projection and combine and the router's logits GEMM promise fp32 (the combine: the streams' dtype)
+    arithmetic; under O1 Paddle would run their matmuls in bf16. Each matmul records whether autocast was on when it
+    ran (the CPU cannot show the cast itself); a bare matmul in the same state records True (the control)."""
+    from fleet_ext.ops.mhc import reference as mhc_ref
+    from fleet_ext.ops.moe_router import reference as router_ref
+
+    seen: list[bool] = []
+    matmul = paddle.matmul
+
+    def recording_matmul(*args, **kwargs):
+        seen.append(paddle.is_autocast_enabled())
+        return matmul(*args, **kwargs)
+
+    monkeypatch.setattr(paddle, "matmul", recording_matmul)
+    r = np.random.default_rng(3)
+    streams = paddle.to_tensor(r.standard_normal((1, 3, 4, 8)).astype("float32"))
+    fn = paddle.to_tensor(0.1 * r.standard_normal((24, 32)).astype("float32"))
+    base, scale = paddle.zeros([24]), paddle.ones([3])
+    with paddle_amp_state("O1", "bfloat16"):
+        paddle.matmul(streams, streams, transpose_y=True)
+        assert seen == [True]
+        post, comb, _ = mhc_ref.mhc_pre(streams, fn, base, scale, 3, 1e-6, 1e-6)
+        mhc_ref.mhc_combine(streams, paddle.ones([1, 3, 8]), post, comb)
+        router_ref.router_logits(paddle.ones([3, 8]), paddle.ones([5, 8]))
+    assert len(seen) == 4 and not any(seen[1:]), seen

@@ -9,7 +9,10 @@ The one copy of the maths (``fleet_ext.layers.mhc`` builds its layers on it). Fo
 - ``mhc_combine``: after the block, ``X'_k = post_k f + sum_j comb[j, k] X_j``;
 - ``mhc_head``: the final collapse with a pre gate only (``fn`` [n, nD], ``scale`` [1], ``base`` [n]).
 
-All mHC arithmetic runs in fp32; the collapsed input and the combined streams come back in the streams' dtype.
+All mHC arithmetic runs in fp32 (the combine's mix in the streams' dtype); the collapsed input and the combined
+streams come back in the streams' dtype. Both matmuls run with Paddle's autocast off: under O1 it would run them in
+bf16, rounding the gates' logits and the fp32 residual stream that O1 keeps (the fused kernels compute at fp32
+accuracy either way).
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ def _mix(streams: paddle.Tensor, fn: paddle.Tensor, norm_eps: float) -> paddle.T
     """``rms_normalize(flatten(X)) @ fn^T``: [b, s, rows of fn], fp32."""
     batch, seq = streams.shape[0], streams.shape[1]
     flat = rms_normalize(streams.reshape([batch, seq, -1]).astype("float32"), norm_eps)
-    return paddle.matmul(flat, fn, transpose_y=True)
+    with paddle.amp.auto_cast(enable=False):
+        return paddle.matmul(flat, fn, transpose_y=True)
 
 
 def _collapse(streams: paddle.Tensor, pre: paddle.Tensor) -> paddle.Tensor:
@@ -74,5 +78,6 @@ def mhc_combine(
 ) -> paddle.Tensor:
     """``X'_k = post_k * f + sum_j comb[j, k] X_j`` for streams [b, s, n, D] and f [b, s, D]."""
     dtype = streams.dtype
-    mixed = paddle.matmul(comb.astype(dtype), streams, transpose_x=True)
+    with paddle.amp.auto_cast(enable=False):
+        mixed = paddle.matmul(comb.astype(dtype), streams, transpose_x=True)
     return post.astype(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + mixed
