@@ -294,15 +294,75 @@ def _kernel_bytes() -> dict[str, float]:
             "_mhc_combine_fwd": 2 * xb + yb, "_mhc_combine_bwd": 3 * xb + 2 * yb}
 
 
+def _steps(a: dict) -> dict:
+    post, comb = _fused_pre(a)[:2]
+    return {"pre fwd+bwd": lambda: _fused_pre_step(a),
+            "combine fwd+bwd": lambda: kernel.combine_backward(a["x"], a["f"], post, comb,
+                                                               kernel.combine_forward(a["x"], a["f"], post, comb))}
+
+
+def timeline(step, reps: int = 10) -> dict:
+    """Where a step's GPU time goes between its kernels: ``reps`` back-to-back steps under the torch profiler, each
+    kernel's start and end from the trace; per position in the step the kernel, its mean duration and the mean idle
+    time before it (from the previous kernel's end, the previous step's last one for the first), in µs."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps + 1):
+            step()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(os.path.join(tmp, "trace.json"))
+        with open(os.path.join(tmp, "trace.json")) as fh:
+            events = json.load(fh)["traceEvents"]
+    spans = sorted((float(e["ts"]), float(e["dur"]), e["name"]) for e in events
+                   if e.get("ph") == "X" and e.get("cat") == "kernel")
+    per = len(spans) // (reps + 1)
+    rows = []
+    for i in range(per):  # the first step is left out (nothing before it in the trace)
+        at = [per * s + i for s in range(1, reps + 1)]
+        idle = [spans[j][0] - (spans[j - 1][0] + spans[j - 1][1]) for j in at]
+        rows.append({"kernel": spans[at[0]][2][:48], "us": statistics.mean(spans[j][1] for j in at),
+                     "idle_before_us": statistics.mean(idle)})
+    busy, idle = sum(r["us"] for r in rows), sum(r["idle_before_us"] for r in rows)
+    for r in rows:
+        print(f"    idle {r['idle_before_us']:6.1f}  run {r['us']:7.1f}  {r['kernel']}", flush=True)
+    print(f"    per step: {busy + idle:.1f} us = {busy:.1f} running + {idle:.1f} idle between kernels", flush=True)
+    return {"kernels": rows, "busy_us": busy, "idle_us": idle}
+
+
+def pdl_ab(rounds: int) -> list[dict]:
+    """The pre and combine forward + backward with the kernels launched plainly and as programmatic dependents
+    (``kernel.TUNE["pdl"]`` 0 / 1), alternating for ``rounds`` rounds: ``do_bench``, back-to-back and the timeline."""
+    a, out = _inputs(), []
+    for r in range(rounds):
+        for pdl in (0, 1, 2):
+            kernel.TUNE["pdl"] = pdl
+            for name, step in _steps(a).items():
+                print(f"  round {r} pdl {pdl} {name}:", flush=True)
+                row = {"round": r, "pdl": pdl, "op": name, "do_bench_us": 1e3 * median_ms(step),
+                       "steady_us": 1e3 * steady_ms(step, calls=20), **timeline(step)}
+                print(f"    do_bench {row['do_bench_us']:.1f} us, back to back {row['steady_us']:.1f} us", flush=True)
+                out.append(row)
+    kernel.TUNE.pop("pdl", None)
+    for name in _steps(a):
+        for pdl in (0, 1, 2):
+            rows = [r for r in out if r["op"] == name and r["pdl"] == pdl]
+            print(f"  {name:16} pdl {pdl}: do_bench {statistics.median(r['do_bench_us'] for r in rows):7.1f} us, "
+                  f"back to back {statistics.median(r['steady_us'] for r in rows):7.1f}, idle between kernels "
+                  f"{statistics.median(r['idle_us'] for r in rows):5.1f} (medians of {len(rows)})", flush=True)
+    return out
+
+
 def profile_kernels(copy_gbs: float, reps: int = 10) -> dict[str, dict[str, float]]:
     """Each kernel's device time (µs per call, torch profiler) inside the fused pre and combine forward + backward."""
     from torch.profiler import ProfilerActivity, profile
 
-    a = _inputs()
-    post, comb = _fused_pre(a)[:2]
-    steps = {"pre fwd+bwd": lambda: _fused_pre_step(a),
-             "combine fwd+bwd": lambda: kernel.combine_backward(a["x"], a["f"], post, comb,
-                                                                kernel.combine_forward(a["x"], a["f"], post, comb))}
+    steps = _steps(_inputs())
     out, nbytes = {}, _kernel_bytes()
     for name, step in steps.items():
         step()
@@ -452,6 +512,8 @@ def main() -> None:
     parser.add_argument("--dx-probe", action="store_true", help="the streams' gradient with either product left out")
     parser.add_argument("--only", nargs="+", choices=list(OP_OF), help="sweep only these kernels' variants")
     parser.add_argument("--rounds", type=int, default=1, help="run the sweep this many times (the spread)")
+    parser.add_argument("--pdl-ab", type=int, default=0, metavar="ROUNDS",
+                        help="time the ops with and without programmatic dependent launch first, alternating")
     args = parser.parse_args()
     if args.warm_compile:
         return warm_compile()
@@ -469,6 +531,8 @@ def main() -> None:
               f"fp32 add {probe['fresh_max_rel']:.2e}; {probe['fresh_bias_rel']:+.2e}", flush=True)
     if args.dx_probe:
         result["dx_probe"] = dx_probe(copy_gbs)
+    if args.pdl_ab:
+        result["pdl_ab"] = pdl_ab(args.pdl_ab)
     result["sweep"] = [] if args.no_sweep else [row for _ in range(args.rounds) for row in sweep(args.only)]
     for op, label, us, diff in sorted(result["sweep"], key=lambda r: (r[0], r[2])):
         print(f"  sweep {op:4} {us:8.1f} us  diff {diff:.1e}  {label}")
