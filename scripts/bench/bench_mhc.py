@@ -25,9 +25,9 @@ kernels >= 85 % of copy bandwidth (on the kernel traffic, and on the floor). In 
 pre forward, the pre backward and the combine backward under one changed geometry (``kernel.TUNE``) at a time,
 with each variant's largest difference from the defaults' outputs; with ``--pick``, the fastest variant of each
 kernel that beats the defaults by more than 2 % is kept for what follows (printed); then each fused kernel's time
-inside the pre and combine forward + backward (torch profiler) with its own traffic; then the table. ``--probe``
-first runs the accuracy probe of the bf16x3 projection's two accumulations at K = 16384 (why run 3's bf16 tests
-failed). Also usable as a case module of ``bench_fusions.py`` (``--modules bench_mhc``).
+inside the pre and combine forward + backward (torch profiler) with its own traffic, and the idle time between
+them; then the table. ``--probe`` first runs the accuracy probe of the bf16x3 projection's two accumulations at
+K = 16384 (why run 3's bf16 tests failed). Also usable as a case module of ``bench_fusions.py`` (``--modules bench_mhc``).
 """
 
 from __future__ import annotations
@@ -335,31 +335,9 @@ def timeline(step, reps: int = 10) -> dict:
     return {"kernels": rows, "busy_us": busy, "idle_us": idle}
 
 
-def pdl_ab(rounds: int) -> list[dict]:
-    """The pre and combine forward + backward with the kernels launched plainly and as programmatic dependents
-    (``kernel.TUNE["pdl"]`` 0 / 1), alternating for ``rounds`` rounds: ``do_bench``, back-to-back and the timeline."""
-    a, out = _inputs(), []
-    for r in range(rounds):
-        for pdl in (0, 1, 2):
-            kernel.TUNE["pdl"] = pdl
-            for name, step in _steps(a).items():
-                print(f"  round {r} pdl {pdl} {name}:", flush=True)
-                row = {"round": r, "pdl": pdl, "op": name, "do_bench_us": 1e3 * median_ms(step),
-                       "steady_us": 1e3 * steady_ms(step, calls=20), **timeline(step)}
-                print(f"    do_bench {row['do_bench_us']:.1f} us, back to back {row['steady_us']:.1f} us", flush=True)
-                out.append(row)
-    kernel.TUNE.pop("pdl", None)
-    for name in _steps(a):
-        for pdl in (0, 1, 2):
-            rows = [r for r in out if r["op"] == name and r["pdl"] == pdl]
-            print(f"  {name:16} pdl {pdl}: do_bench {statistics.median(r['do_bench_us'] for r in rows):7.1f} us, "
-                  f"back to back {statistics.median(r['steady_us'] for r in rows):7.1f}, idle between kernels "
-                  f"{statistics.median(r['idle_us'] for r in rows):5.1f} (medians of {len(rows)})", flush=True)
-    return out
-
-
-def profile_kernels(copy_gbs: float, reps: int = 10) -> dict[str, dict[str, float]]:
-    """Each kernel's device time (µs per call, torch profiler) inside the fused pre and combine forward + backward."""
+def profile_kernels(copy_gbs: float, reps: int = 10) -> dict[str, dict]:
+    """Each kernel's device time (µs per call, torch profiler) inside the fused pre and combine forward + backward,
+    then the op's :func:`timeline` (under ``"<op> timeline"``)."""
     from torch.profiler import ProfilerActivity, profile
 
     steps = _steps(_inputs())
@@ -381,6 +359,9 @@ def profile_kernels(copy_gbs: float, reps: int = 10) -> dict[str, dict[str, floa
         for key, us in sorted(times.items(), key=lambda kv: -kv[1]):
             pct = f"{100 * nbytes[key] / (us * 1e-6) / 1e9 / copy_gbs:5.1f} % of copy" if key in nbytes else ""
             print(f"    {us:8.1f} us  {pct}  {key[:60]}", flush=True)
+    for name, step in steps.items():
+        print(f"  {name}, kernel by kernel (back to back, {reps} steps):", flush=True)
+        out[f"{name} timeline"] = timeline(step, reps)
     return out
 
 
@@ -512,8 +493,6 @@ def main() -> None:
     parser.add_argument("--dx-probe", action="store_true", help="the streams' gradient with either product left out")
     parser.add_argument("--only", nargs="+", choices=list(OP_OF), help="sweep only these kernels' variants")
     parser.add_argument("--rounds", type=int, default=1, help="run the sweep this many times (the spread)")
-    parser.add_argument("--pdl-ab", type=int, default=0, metavar="ROUNDS",
-                        help="time the ops with and without programmatic dependent launch first, alternating")
     args = parser.parse_args()
     if args.warm_compile:
         return warm_compile()
@@ -531,8 +510,6 @@ def main() -> None:
               f"fp32 add {probe['fresh_max_rel']:.2e}; {probe['fresh_bias_rel']:+.2e}", flush=True)
     if args.dx_probe:
         result["dx_probe"] = dx_probe(copy_gbs)
-    if args.pdl_ab:
-        result["pdl_ab"] = pdl_ab(args.pdl_ab)
     result["sweep"] = [] if args.no_sweep else [row for _ in range(args.rounds) for row in sweep(args.only)]
     for op, label, us, diff in sorted(result["sweep"], key=lambda r: (r[0], r[2])):
         print(f"  sweep {op:4} {us:8.1f} us  diff {diff:.1e}  {label}")

@@ -338,11 +338,3 @@ def test_production_shape_is_deterministic(kernel, monkeypatch):
     other = _step(kernel, a)
     for i, (got, want) in enumerate(zip(other, first)):
         assert_bitwise(got, want, f"output {i}, Sinkhorn states {'recomputed' if stored else 'stored'} vs not")
-    # Programmatic dependent launch (the default on sm90): the same bytes as plain launches, so every kernel
-    # waits for the one before it before it reads or writes.
-    assert kernel._pdl() == {"PDL": kernel.PDL, "launch_pdl": True}
-    for mode in {0, 1, 2} - {kernel.PDL}:
-        monkeypatch.setattr(kernel, "TUNE", {"pdl": mode})
-        assert kernel._pdl()["PDL"] == mode
-        for i, (got, want) in enumerate(zip(_step(kernel, a), first)):
-            assert_bitwise(got, want, f"output {i}, launch mode {mode} vs {kernel.PDL}")

@@ -54,7 +54,6 @@ from typing import Any
 import triton
 
 from fleet_ext import capability
-from fleet_ext.ops.dependent_launch import pdl_options, pdl_supported
 from fleet_ext.ops.launch import detached, dtype_name, empty_like, is_paddle, launch, shape_of, torch_view
 from fleet_ext.ops.mhc.kernel_bwd import _mhc_combine_bwd, _mhc_dx_bwd, _mhc_gates_bwd, _mhc_params_bwd, _mhc_pre_bwd
 from fleet_ext.ops.mhc.kernel_dx_gluon import _mhc_dx_gluon
@@ -132,11 +131,7 @@ GEOMETRY_VARIANTS: tuple[dict[str, dict[str, int]], ...] = (
 # and with two fp32 operands, the streams' gradient's G @ fn ("gx": "tf32x3" or "bf16x6", fp32 accuracy, or
 # "bf16x3", ~2^-16 relative, taken only where that gradient is rounded to bf16: fp32 streams get "tf32x3").
 PRODUCTS = {"dot": "bf16x3", "gx": "bf16x3"}
-TUNE: dict[str, Any] = {}  # e.g. {"proj": {"SPLITS": 4}, "dot": "tf32x3", "pdl": 0}
-# Each kernel of an op launched as a programmatic dependent of the one before (``fleet_ext.ops.dependent_launch``,
-# sm90+): it is scheduled during the previous kernel's last wave and waits at its start. ``TUNE["pdl"] = 0``: plain
-# launches.
-PDL = 1
+TUNE: dict[str, Any] = {}  # e.g. {"proj": {"SPLITS": 4}, "dot": "tf32x3"}
 # The projection and the streams' gradient: "auto" runs the Gluon kernels (``kernel_proj_gluon.py``,
 # ``kernel_dx_gluon.py``) where ``gluon_fits`` says they can, else the Triton ones (``kernel_fwd._mhc_proj_fwd``,
 # ``kernel_bwd._mhc_dx_bwd``); "triton" / "gluon" force one kind ("gluon" raises where it cannot run). Under "auto" a
@@ -220,11 +215,6 @@ def _use_gluon(kind: str, fn: str, tensors: tuple, no: int, exact_products: bool
     return why_not is None
 
 
-def _pdl() -> dict[str, Any]:
-    """The ``PDL`` constexpr and launch option of this call's kernels (``PDL``, ``TUNE["pdl"]``, sm90+)."""
-    return pdl_options(int(TUNE.get("pdl", PDL)) if pdl_supported(is_interpreted()) else 0)
-
-
 def _split(total: int, splits: int, tile: int) -> tuple[int, int]:
     """``(per, count)``: ``total`` cut into ``count`` <= ``splits`` runs of ``per`` (a multiple of ``tile``)."""
     per = triton.cdiv(triton.cdiv(total, max(1, splits)), tile) * tile
@@ -281,8 +271,7 @@ def fn_pieces(fn_w: Any, no: int, like: Any) -> Any:
     ``like`` (the streams): the Gluon projection's operand, made once per call."""
     nout, k = shape_of(fn_w)
     pieces = empty_like(like, shape=[3, no, k])
-    launch(_mhc_fn_pieces, (no, triton.cdiv(k, 1024)), detached(fn_w), pieces, k, NOUT=nout, NO=no, BLOCK=1024,
-           **_pdl())
+    launch(_mhc_fn_pieces, (no, triton.cdiv(k, 1024)), detached(fn_w), pieces, k, NOUT=nout, NO=no, BLOCK=1024)
     return pieces
 
 
@@ -308,19 +297,17 @@ def pre_forward(x: Any, fn_w: Any, base: Any, scale: Any, iterations: int, eps: 
     per, splits = _split(n * d, cfg["SPLITS"], cfg["BK"])
     part = empty_like(x, shape=[splits, t, no], dtype=f32)
     grid = (triton.cdiv(t, cfg["BT"]), splits)
-    pdl = _pdl()
     if gluon:  # fn's bf16 pieces once, then the projection on warp-group MMAs
         pieces = fn_pieces(fn_w, no, x)
-        launch(_mhc_proj_gluon, grid, detached(x), pieces, part, t, per, N=n, D=d, NOUT=nout, NO=no, **_meta(cfg),
-               **pdl)
+        launch(_mhc_proj_gluon, grid, detached(x), pieces, part, t, per, N=n, D=d, NOUT=nout, NO=no, **_meta(cfg))
     else:
         launch(_mhc_proj_fwd, grid, detached(x), detached(fn_w), part, t, per, N=n, D=d, NOUT=nout, NO=no, DOT=dot,
-               **_meta(cfg), **pdl)
+               **_meta(cfg))
     cfg = _config("pre_fwd", n, d)
     launch(
         _mhc_pre_fwd, (triton.cdiv(t, cfg["BT"]),),
         detached(x), part, detached(base), detached(scale), mix, r, mix if head else post, mix if head else comb, y,
-        t, splits, float(eps), float(norm_eps), **common, DOWNCAST=dtype_name(x) != "float32", **_meta(cfg), **pdl,
+        t, splits, float(eps), float(norm_eps), **common, DOWNCAST=dtype_name(x) != "float32", **_meta(cfg),
     )
     return post, comb, y, mix, r
 
@@ -340,7 +327,6 @@ def pre_backward(x: Any, fn_w: Any, base: Any, scale: Any, mix: Any, r: Any, d_p
     f32 = _float32_of(x)
     common = _common(n, d, nout, head, iterations)
     no, p = common["NO"], common["P"]
-    pdl = _pdl()
     g_x = empty_like(x)
     g_fn = empty_like(x, shape=[nout, n * d], dtype=f32)
     g_base = empty_like(x, shape=[nout], dtype=f32)
@@ -371,26 +357,26 @@ def pre_backward(x: Any, fn_w: Any, base: Any, scale: Any, mix: Any, r: Any, d_p
             launch(_mhc_gates_bwd, (programs,), detached(x), detached(d_y), d_pre, detached(base), detached(scale),
                    detached(mix), detached(d_y if head else d_post), detached(d_y if head else d_comb), dz, scratch,
                    t, float(eps), sinkhorn_blocks, N=n, P=p, D=d, NOUT=nout, ITERS=iterations, HEAD=bool(head),
-                   STATES=states, EVERY=every, **_meta(cfg_gates), **pdl)
+                   STATES=states, EVERY=every, **_meta(cfg_gates))
         launch(
             _mhc_pre_bwd, (blocks,),
             detached(x), detached(base), detached(scale), detached(mix), detached(r),
             detached(d_y if head else d_post), detached(d_y if head else d_comb), detached(d_y), dz, g, coef, pre,
             sums, scratch, d_pre, t, float(eps), **common, **_meta({**cfg, "STATES": states}), PIECES=pieces,
-            SPLIT=split, **pdl,
+            SPLIT=split,
         )
         dx_args = (detached(x), detached(fn_w), g, pre, coef, detached(d_y), g_x, part, t, per)
         grid = (n * triton.cdiv(d, cfg_dx["BD"]), splits)
         if gluon_dx:
-            launch(_mhc_dx_gluon, grid, *dx_args, N=n, P=p, D=d, NOUT=nout, NO=no, **_meta(cfg_dx), **pdl)
+            launch(_mhc_dx_gluon, grid, *dx_args, N=n, P=p, D=d, NOUT=nout, NO=no, **_meta(cfg_dx))
         else:
             launch(_mhc_dx_bwd, grid, *dx_args, N=n, P=p, D=d, NOUT=nout, NO=no, GX=gx, DOT=dot,
-                   DOWNCAST=dtype_name(x) != "float32", PIECES=pieces, **_meta(cfg_dx), **pdl)
+                   DOWNCAST=dtype_name(x) != "float32", PIECES=pieces, **_meta(cfg_dx))
     cfg = _config("params", n, d)
     launch(
         _mhc_params_bwd, (triton.cdiv(nout * n * d, cfg["BLOCK"]) + 1,),
         part, sums, g_fn, g_base, g_scale, splits, blocks if t > 0 else 0,
-        N=n, D=d, NOUT=nout, NO=no, HEAD=bool(head), GROUPS=1 if head else 3, **_meta(cfg), **pdl,
+        N=n, D=d, NOUT=nout, NO=no, HEAD=bool(head), GROUPS=1 if head else 3, **_meta(cfg),
     )
     return g_x, g_fn, g_base, g_scale
 
@@ -413,7 +399,7 @@ def combine_forward(x: Any, f: Any, post: Any, comb: Any) -> Any:
     launch(
         _mhc_combine_fwd, (triton.cdiv(t, cfg["BT"]), triton.cdiv(d, cfg["BD"])),
         detached(x), detached(f), detached(post), detached(comb), out, t,
-        N=n, P=triton.next_power_of_2(n), D=d, DOWNCAST=dtype_name(x) != "float32", **cfg, **_pdl(),
+        N=n, P=triton.next_power_of_2(n), D=d, DOWNCAST=dtype_name(x) != "float32", **cfg,
     )
     return out
 
@@ -445,7 +431,7 @@ def combine_backward(x: Any, f: Any, post: Any, comb: Any, d_out: Any) -> tuple[
         _mhc_combine_bwd, (triton.cdiv(t, cfg["BT"]),),
         detached(x), detached(f), detached(post), detached(comb), detached(d_out), g_x, g_f, g_post, g_comb, t,
         N=n, P=triton.next_power_of_2(n), D=d, DOWNCAST_X=dtype_name(x) != "float32",
-        DOWNCAST_F=dtype_name(f) != "float32", **_meta(cfg), **_pdl(),
+        DOWNCAST_F=dtype_name(f) != "float32", **_meta(cfg),
     )
     return g_x, g_f, g_post, g_comb
 

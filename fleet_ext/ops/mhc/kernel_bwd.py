@@ -26,7 +26,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fleet_ext.ops.dependent_launch import dependent_start
 from fleet_ext.ops.mhc.kernel_fwd import (
     _comb_tile,
     _group_scale,
@@ -174,7 +173,6 @@ def _mhc_gates_bwd(
     SINKHORN_BLOCKS, N: tl.constexpr, P: tl.constexpr, D: tl.constexpr, NOUT: tl.constexpr, ITERS: tl.constexpr,
     HEAD: tl.constexpr, STATES: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, PREFETCH: tl.constexpr,
     LANES: tl.constexpr, SINKHORN_BT: tl.constexpr, EVERY: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """The pre backward's two independent parts in one grid (``_mhc_pre_bwd`` with ``SPLIT`` does the rest):
     SINKHORN_BLOCKS programs run the post gate's and the Sinkhorn's backward of SINKHORN_BT tokens each into
@@ -182,7 +180,6 @@ def _mhc_gates_bwd(
     tokens each, into ``g_pre`` [T, P] (bandwidth-bound). One after the other in one program the SMs' memory pipe
     idles during the chain (measured: 155 + 78 us); in one grid the streaming programs fill the SMs around the
     chains. The Sinkhorn programs are ``0, EVERY, 2 EVERY, ...`` (EVERY 1: the first SINKHORN_BLOCKS)."""
-    dependent_start(PDL)
     pid = tl.program_id(0)
     if pid % EVERY == 0 and pid // EVERY < SINKHORN_BLOCKS:
         ts = (pid // EVERY).to(tl.int64) * SINKHORN_BT + tl.arange(0, SINKHORN_BT)  # (names differ by branch)
@@ -202,7 +199,6 @@ def _mhc_pre_bwd(
     N: tl.constexpr, P: tl.constexpr, D: tl.constexpr, NOUT: tl.constexpr, NO: tl.constexpr,
     ITERS: tl.constexpr, HEAD: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, STATES: tl.constexpr,
     PIECES: tl.constexpr, SPLIT: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """BT tokens: g_pre (one pass over the streams), the logits' gradient ``g_z`` (stored, read back after a
     barrier), then per token what the streams' gradient needs (``_mhc_dx_bwd``): ``G = g_mix r`` [T, NO] (0 past
@@ -211,7 +207,6 @@ def _mhc_pre_bwd(
     ``states_ptr`` [T, 2 ITERS - 1, P, P] instead of recomputing them (``_sinkhorn_bwd_stored``). ``SPLIT``:
     ``_mhc_gates_bwd`` ran first (``g_pre`` at ``dpre_ptr`` [T, P], the post and Sinkhorn parts of ``g_z``
     stored), so only the pre gate's part is left here."""
-    dependent_start(PDL)
     pid = tl.program_id(0)
     t = pid.to(tl.int64) * BT + tl.arange(0, BT)
     t_mask = t < T
@@ -261,7 +256,6 @@ def _mhc_dx_bwd(
     N: tl.constexpr, P: tl.constexpr, D: tl.constexpr, NOUT: tl.constexpr, NO: tl.constexpr, BT: tl.constexpr,
     BD: tl.constexpr, GX: tl.constexpr, DOT: tl.constexpr, DOWNCAST: tl.constexpr, PIECES: tl.constexpr,
     PREFETCH: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """Program (i, s): channels ``[b BD, (b + 1) BD)`` of stream ``j`` (``i = b N + j``: the N streams of one
     channel tile run side by side, so ``g_y``'s tile is read from memory once; ``fn``'s slab is loaded once) over
@@ -274,7 +268,6 @@ def _mhc_dx_bwd(
     64 x 64 tiles in the compiled sm90 code: three programs per SM instead of two). With ``PREFETCH`` the next
     tile's ``g_y``, pre gate and coef are loaded before this tile's products: the compiler pipelines only the loads
     that feed a product (``x``, ``G``), so otherwise every tile waits a full memory round trip for ``g_y``."""
-    dependent_start(PDL)
     K: tl.constexpr = N * D
     split = tl.program_id(1)
     j = tl.program_id(0) % N
@@ -356,11 +349,9 @@ def _mhc_params_bwd(
     part_ptr, sums_ptr, dfn_ptr, dbase_ptr, dscale_ptr, SPLITS, BLOCKS,
     N: tl.constexpr, D: tl.constexpr, NOUT: tl.constexpr, NO: tl.constexpr, BLOCK: tl.constexpr, BB: tl.constexpr,
     HEAD: tl.constexpr, GROUPS: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """Programs 0 .. cdiv(NOUT N D, BLOCK) - 1: ``g_fn`` = the splits of ``_mhc_dx_bwd`` added in order, BLOCK
     entries each; the last one: ``g_base`` and ``g_scale``."""
-    dependent_start(PDL)
     pid = tl.program_id(0)
     if pid * BLOCK < NOUT * N * D:
         i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -380,7 +371,6 @@ def _mhc_combine_bwd(
     x_ptr, f_ptr, post_ptr, comb_ptr, dout_ptr, dx_ptr, df_ptr, dpost_ptr, dcomb_ptr, T,
     N: tl.constexpr, P: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, V: tl.constexpr,
     DOWNCAST_X: tl.constexpr, DOWNCAST_F: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """BT tokens, all channels in tiles of BD = TH x V: per tile ``g_x[j] = sum_k comb[j, k] g[k]`` and
     ``g_f = sum_k post_k g[k]`` (stored), and the products ``x[j] g[k]``, ``g[k] f`` summed over each thread's V
@@ -392,7 +382,6 @@ def _mhc_combine_bwd(
     [BT, 1, P, BD], so both loads, their broadcast product and the stores share one layout (16-byte vectors of V
     channels per thread, the threads and warps along the channels, the streams in registers) when BD is a
     multiple of V x 32 x num_warps: ``kernel.combine_backward`` sizes it so."""
-    dependent_start(PDL)
     TH: tl.constexpr = BD // V
     t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)[:, None, None, None]  # [BT, 1, 1, 1]
     t_mask = t < T

@@ -36,7 +36,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from fleet_ext.ops.dependent_launch import dependent_start_gluon
 from fleet_ext.ops.mhc.kernel_proj_gluon import _piece_rings
 
 
@@ -115,11 +114,9 @@ def _mhc_dx_gluon(
     x_ptr, fn_ptr, g_ptr, pre_ptr, coef_ptr, dy_ptr, dx_ptr, part_ptr, T, TS,
     N: gl.constexpr, P: gl.constexpr, D: gl.constexpr, NOUT: gl.constexpr, NO: gl.constexpr, BT: gl.constexpr,
     BD: gl.constexpr, STAGES: gl.constexpr,
-    PDL: gl.constexpr,
 ):
     """Program (i, s): channels ``[b BD, (b + 1) BD)`` of stream ``j`` (``i = b N + j``) over the tokens
     ``[s TS, (s + 1) TS)``: ``g_x`` for them and ``part[s] = G^T x`` (``_mhc_params_bwd`` adds the splits)."""
-    dependent_start_gluon(PDL)
     K: gl.constexpr = N * D
     dtype: gl.constexpr = x_ptr.dtype.element_ty
     split = gl.program_id(1)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fleet_ext.ops.dependent_launch import dependent_start
 from fleet_ext.ops.split_dot import _bf16_pieces, _dot
 
 # ``tl.sum``'s combine function: hot loops call ``tl.reduce(x, axis, _sum_combine)`` directly (see ``_sinkhorn``).
@@ -118,11 +117,9 @@ def _store_rounded(ptrs, v, mask, DOWNCAST: tl.constexpr):
 
 
 @triton.jit
-def _mhc_fn_pieces(fn_ptr, out_ptr, K, NOUT: tl.constexpr, NO: tl.constexpr, BLOCK: tl.constexpr,
-                   PDL: tl.constexpr):
+def _mhc_fn_pieces(fn_ptr, out_ptr, K, NOUT: tl.constexpr, NO: tl.constexpr, BLOCK: tl.constexpr):
     """``fn`` [NOUT, K] fp32 as its three bf16 pieces [3, NO, K] (hi, mid, lo: ``_bf16_pieces``; rows past NOUT
     zero), once per call, for the Gluon projection (``kernel_proj_gluon.py``)."""
-    dependent_start(PDL)
     row = tl.program_id(0)
     k = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = k < K
@@ -137,12 +134,10 @@ def _mhc_proj_fwd(
     x_ptr, fn_ptr, part_ptr, T, KS,
     N: tl.constexpr, D: tl.constexpr, NOUT: tl.constexpr, NO: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     DOT: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """Program (i, s): BT tokens' ``x @ fn^T`` and ``sum(x^2)`` over the columns ``[s KS, (s + 1) KS)`` of their
     flattened rows (a split of K = N D: more programs than token blocks), one pass over that part of the streams.
     Stores ``part[s]`` [T, NO] fp32: the projection in columns < NOUT, the squares in column NOUT."""
-    dependent_start(PDL)
     K: tl.constexpr = N * D
     split = tl.program_id(1)
     row0 = split.to(tl.int64) * T
@@ -173,12 +168,10 @@ def _mhc_pre_fwd(
     T, SPLITS, eps, norm_eps,
     N: tl.constexpr, P: tl.constexpr, D: tl.constexpr, NOUT: tl.constexpr, NO: tl.constexpr,
     ITERS: tl.constexpr, HEAD: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, DOWNCAST: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """BT tokens: the projection's splits summed in order (``_mhc_proj_fwd``), the RMS factor, ``mix`` (stored,
     read back in the gates' layouts after a barrier), gates and Sinkhorn in registers, then the collapse in a
     second pass over the streams."""
-    dependent_start(PDL)
     t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     t_mask = t < T
     c = tl.arange(0, NO)
@@ -204,10 +197,8 @@ def _mhc_pre_fwd(
 def _mhc_combine_fwd(
     x_ptr, f_ptr, post_ptr, comb_ptr, out_ptr, T,
     N: tl.constexpr, P: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, DOWNCAST: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """``out[t, k] = post[t, k] f[t] + sum_j comb[t, j, k] x[t, j]`` on a [BT tokens, BD channels] tile."""
-    dependent_start(PDL)
     t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     t_mask = t < T

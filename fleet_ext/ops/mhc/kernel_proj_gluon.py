@@ -20,8 +20,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from fleet_ext.ops.dependent_launch import dependent_start_gluon
-
 
 @gluon.jit
 def _piece_rings(dtype: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr):
@@ -54,10 +52,9 @@ def _issue_step(x_ptr, p_ptr, bufs, slot, step, n_steps, k0, t, t_ok, K, NO: gl.
 
 @gluon.jit
 def _mhc_proj_gluon(x_ptr, p_ptr, part_ptr, T, KS, N: gl.constexpr, D: gl.constexpr, NOUT: gl.constexpr,
-                    NO: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr):
+                    NO: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
     """Program (i, s): tokens ``[i BT, (i + 1) BT)``, columns ``[s KS, (s + 1) KS)`` of their flattened rows;
     ``p_ptr``: ``fn``'s bf16 pieces [3, NO, K] (hi, mid, lo; rows past NOUT zero). Stores ``part[s]`` [T, NO]."""
-    dependent_start_gluon(PDL)
     K: gl.constexpr = N * D
     dtype: gl.constexpr = x_ptr.dtype.element_ty
     W: gl.constexpr = gl.num_warps()
