@@ -332,9 +332,10 @@ def _assert_deterministic(kernel, a, runs: int, what: str) -> tuple:
 def test_production_shape_is_deterministic(kernel, monkeypatch):
     a = make(16384, 4, 4096, torch.bfloat16, seed=1)
     first = _assert_deterministic(kernel, a, 3, "")
-    # The Sinkhorn backward's two ways to its states (stored once by default, or recomputed): the same bytes.
-    stored = kernel.GPU_CONFIG["pre_bwd"]["STATES"]
-    monkeypatch.setattr(kernel, "TUNE", {"pre_bwd": {"STATES": 1 - stored}})
-    other = _step(kernel, a)
-    for i, (got, want) in enumerate(zip(other, first)):
-        assert_bitwise(got, want, f"output {i}, Sinkhorn states {'recomputed' if stored else 'stored'} vs not")
+    # The Sinkhorn backward's three ways to its states (kept in registers, stored to scratch, recomputed): the same
+    # bytes.
+    default = kernel.GPU_CONFIG["pre_bwd"]["STATES"]
+    for states in {0, 1, 2} - {default}:
+        monkeypatch.setattr(kernel, "TUNE", {"pre_bwd": {"STATES": states}})
+        for i, (got, want) in enumerate(zip(_step(kernel, a), first)):
+            assert_bitwise(got, want, f"output {i}, Sinkhorn states mode {states} vs {default}")

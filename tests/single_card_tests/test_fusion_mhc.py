@@ -151,19 +151,22 @@ def test_planted_bugs_fail_the_tolerance(monkeypatch):
 
 
 def test_two_runs_are_byte_identical_and_no_grad_runs_the_same_forward(monkeypatch):
-    """Run to run the same bytes; the Sinkhorn backward's states recomputed (``STATES`` 0) instead of stored: the
-    same bytes too; the forward without autograd: the same bytes as with it."""
+    """Run to run the same bytes; the Sinkhorn backward's states stored to scratch (``STATES`` 1) or recomputed (0)
+    instead of kept in registers (2, the default): the same bytes too; the forward without autograd: the same bytes
+    as with it."""
     arrays, cot = _inputs(2, 6, 4, 32, seed=3)
     with expect_launches("_mhc_pre_bwd", "_mhc_dx_bwd", "_mhc_params_bwd", "_mhc_combine_bwd", min=2):
         first = _run(function, arrays, cot, 20, 1e-6)
         second = _run(function, arrays, cot, 20, 1e-6)
     for key in first:
         assert_bitwise(second[key], first[key], key)
-    monkeypatch.setattr(kernel, "TUNE", {"pre_bwd": {"STATES": 0}})
-    with expect_launches("_mhc_pre_bwd", min=2):
-        recomputed = _run(function, arrays, cot, 20, 1e-6)
-    for key in first:
-        assert_bitwise(recomputed[key], first[key], f"Sinkhorn states recomputed: {key}")
+    assert kernel._config("pre_bwd", 4, 32)["STATES"] == 2
+    for states in (1, 0):
+        monkeypatch.setattr(kernel, "TUNE", {"pre_bwd": {"STATES": states}})
+        with expect_launches("_mhc_pre_bwd", min=2):
+            other = _run(function, arrays, cot, 20, 1e-6)
+        for key in first:
+            assert_bitwise(other[key], first[key], f"Sinkhorn states {('recomputed', 'stored')[states]}: {key}")
     t = {k: paddle.to_tensor(v) for k, v in arrays.items()}
     with paddle.no_grad(), expect_launches("_mhc_proj_fwd", "_mhc_pre_fwd", "_mhc_combine_fwd", exactly=1):
         post, comb, collapsed = function.mhc_pre(t["streams"], t["fn"], t["base"], t["scale"], 20, 1e-6, 1e-6)

@@ -17,10 +17,11 @@ in V4-Flash); everything else per token is tiny (24 mixing logits, an n x n matr
   one read of X and f, one write of X'. It cannot join the pre kernels: the attention or MLP block runs between.
 - *pre backward*, four kernels (three with ``gates`` SPLIT 0, the interpreter's default). ``_mhc_gates_bwd``: in
   one grid, ``g_pre`` (a pass over X and ``g_y``, bandwidth-bound) and the post gate's and Sinkhorn's backward
-  (latency-bound; its 2 ITERS - 1 states stored once to a scratch buffer, or recomputed per step with ``STATES``
-  0), so that each kind of program runs beside the other. ``_mhc_pre_bwd`` per token block: the pre gate's
-  backward, then per token what the streams' gradient needs (``G = g_mix r``, a scalar, the pre gate) and the
-  block's sums for ``g_base`` / ``g_scale`` (with SPLIT 0 it runs the pass and the Sinkhorn's backward first).
+  (latency-bound; its 2 ITERS - 1 states kept in registers, ``STATES`` 2; stored once to a scratch buffer, 1; or
+  recomputed per step, 0), so that each kind of program runs beside the other. ``_mhc_pre_bwd`` per token block:
+  the pre gate's backward, then per token what the streams' gradient needs (``G = g_mix r``, a scalar, the pre
+  gate) and the block's sums for ``g_base`` / ``g_scale`` (with SPLIT 0 it runs the pass and the Sinkhorn's
+  backward first).
   ``_mhc_dx_bwd``: one channel tile of one stream (``fn``'s slab loaded once) over a run of tokens, in order: the
   streams' gradient (the second pass over X) and that run's share of ``g_fn = G^T X`` (``SPLITS`` runs), accumulated
   as ``X^T G`` so that both products are Hopper warp-group MMAs. ``_mhc_params_bwd``: the shares of ``g_fn`` and the
@@ -83,16 +84,19 @@ KERNELS = ("_mhc_proj_fwd", "_mhc_fn_pieces", "_mhc_proj_gluon", "_mhc_pre_fwd",
 # registers and pre / coef on its cp.async ring, 414 -> 349 us (ncu), proj_gluon's tile as a register A operand
 # 162 -> 150 us (ncu); the Sinkhorn backward's tiles within a warp (kernel_bwd._logit_grads) 210 -> 189 us (ncu);
 # one token's Sinkhorn per thread in the gates grid (SINKHORN_BT 256, 80 registers) 210 -> 228 us, the pass on 4
-# warps (BT 1 or 2) no gain. Combine
+# warps (BT 1 or 2) no gain; run 13: the Sinkhorn states in registers (``pre_bwd`` STATES 2, gates maxnreg 80)
+# 187.5 -> 168.8 us of the gates kernel, the pre backward op 555-584 -> 540-569 us (STATES 1; 0: 596-609). Combine
 # backward: 449 us at one token and 4 warps per program, its variants 452-497; its BD is a multiple of
 # 32 x num_warps x the 16-byte vector, which its layout needs (``kernel_bwd._mhc_combine_bwd``).
 GPU_CONFIG: dict[str, dict[str, int]] = {
     "proj": {"BT": 256, "BK": 64, "SPLITS": 8, "num_warps": 8},
     "proj_gluon": {"BT": 128, "BK": 64, "SPLITS": 4, "STAGES": 4, "num_warps": 8},
     "pre_fwd": {"BT": 4, "BD": 512, "num_warps": 8},
-    "pre_bwd": {"BT": 128, "BD": 256, "num_warps": 8, "STATES": 1},
+    "pre_bwd": {"BT": 128, "BD": 256, "num_warps": 8, "STATES": 2},
+    # maxnreg: with the Sinkhorn states in registers its branch would take 162 (one program per SM); at 80 it spills
+    # 32 bytes there (sm90 compile) and the pass keeps its 74, three programs per SM
     "gates": {"SPLIT": 1, "BT": 4, "BD": 512, "num_warps": 8, "PREFETCH": 1, "LANES": 1, "SINKHORN_BT": 16,
-              "INTERLEAVE": 0},
+              "INTERLEAVE": 0, "maxnreg": 80},
     "dx": {"BT": 32, "BD": 64, "SPLITS": 8, "num_warps": 4, "num_stages": 3, "maxnreg": 128, "PIECES": 1,
            "PREFETCH": 1},
     "dx_gluon": {"BT": 32, "BD": 64, "SPLITS": 8, "STAGES": 3, "num_warps": 4},
@@ -102,7 +106,8 @@ GPU_CONFIG: dict[str, dict[str, int]] = {
 }
 # Launch geometries the H200 sweep times against the defaults (scripts/bench/bench_mhc.py, one kernel changed at a
 # time) and the GPU tests hold to the defaults' tolerances (tests/gpu/test_mhc_gpu.py), so that any of them can
-# become a default on the sweep's word. ``pre_bwd`` STATES 0 recomputes the Sinkhorn states (the same bytes).
+# become a default on the sweep's word. ``pre_bwd`` STATES 1 stores the Sinkhorn states to a scratch buffer, 0
+# recomputes them (the same bytes as keeping them in registers).
 GEOMETRY_VARIANTS: tuple[dict[str, dict[str, int]], ...] = (
     {"proj": {}},  # the Triton projection at its defaults (a "proj" entry selects it)
     *({"proj_gluon": c} for c in ({"STAGES": 3}, {"STAGES": 6}, {"BT": 64, "num_warps": 4}, {"SPLITS": 8},
@@ -118,13 +123,13 @@ GEOMETRY_VARIANTS: tuple[dict[str, dict[str, int]], ...] = (
     *({"dx_gluon": c} for c in ({"STAGES": 2}, {"STAGES": 4}, {"SPLITS": 4}, {"SPLITS": 16},
                                 {"BD": 128, "num_warps": 8}, {"BD": 128, "num_warps": 8, "STAGES": 2})),
     # pre_bwd: with gates SPLIT (the default) only its tail (the pre gate's part, G, coef, the blocks' sums)
-    *({"pre_bwd": c} for c in ({"STATES": 0}, {"BT": 32}, {"BT": 64, "num_warps": 4})),
+    *({"pre_bwd": c} for c in ({"STATES": 1}, {"STATES": 0}, {"BT": 32}, {"BT": 64, "num_warps": 4})),
     # gates: the first pass and the Sinkhorn backward in one grid (``kernel_bwd._mhc_gates_bwd``); SPLIT 0: both in
     # _mhc_pre_bwd, one after the other per token block (its own run-9 geometry)
     *({"gates": c} for c in ({"INTERLEAVE": 1}, {"INTERLEAVE": 1, "SINKHORN_BT": 32}, {"SINKHORN_BT": 32},
                              {"SINKHORN_BT": 8}, {"BT": 2, "BD": 1024}, {"LANES": 0},
                              {"PREFETCH": 0}, {"BT": 8, "BD": 256, "num_warps": 4})),
-    {"gates": {"SPLIT": 0}, "pre_bwd": {"BT": 32}},
+    {"gates": {"SPLIT": 0}, "pre_bwd": {"BT": 32, "STATES": 1}},
     *({"combine_bwd": c} for c in ({"num_warps": 8}, {"BT": 2})),
 )
 # Tile products (``split_dot._dot``): with one bf16-exact operand, the streams ("dot": "bf16x3" or "tf32x3"),
@@ -166,7 +171,7 @@ def _config(kind: str, n: int, d: int) -> dict[str, int]:
     if is_interpreted():
         width = min(_pow2(d), 256)
         cfg = {"proj": {"BT": 128, "BK": min(_pow2(n * d), 1024), "SPLITS": 1},
-               "pre_fwd": {"BT": 128, "BD": width}, "pre_bwd": {"BT": 128, "BD": width, "STATES": 1},
+               "pre_fwd": {"BT": 128, "BD": width}, "pre_bwd": {"BT": 128, "BD": width, "STATES": 2},
                "gates": {"SPLIT": 0, "BT": 128, "BD": width, "PREFETCH": 0, "LANES": 0, "SINKHORN_BT": 128,
                          "INTERLEAVE": 0},
                "dx": {"BT": 128, "BD": width, "SPLITS": 1, "PIECES": 1, "PREFETCH": 1},
@@ -345,8 +350,8 @@ def pre_backward(x: Any, fn_w: Any, base: Any, scale: Any, mix: Any, r: Any, d_p
         g = empty_like(x, shape=[3, t, no]) if pieces else empty_like(x, shape=[t, no], dtype=f32)
         coef = empty_like(x, shape=[t], dtype=f32)
         pre = empty_like(x, shape=[t, p], dtype=f32)
-        states = not head and iterations > 1 and bool(cfg["STATES"])
-        scratch = empty_like(x, shape=[t, 2 * iterations - 1, p, p], dtype=f32) if states else dz
+        states = int(cfg["STATES"]) if not head and iterations > 1 else 0  # kernel_bwd: 2 registers, 1 scratch
+        scratch = empty_like(x, shape=[t, 2 * iterations - 1, p, p], dtype=f32) if states == 1 else dz
         cfg_gates = _config("gates", n, d)
         split = bool(cfg_gates["SPLIT"])
         d_pre = empty_like(x, shape=[t, p], dtype=f32) if split else dz

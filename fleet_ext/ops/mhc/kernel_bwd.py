@@ -6,9 +6,10 @@ Pre backward, per token (``g_*`` are gradients of the loss):
 
 - ``g_pre[j] = sum_d g_y[d] x[j, d]`` (first pass over the streams); the gates' logits get
   ``g_z = g_pre s (1 - s)`` (pre), ``2 g_post s (1 - s)`` (post) and the Sinkhorn backward (comb);
-- the Sinkhorn backward differentiates the unrolled iterations; the states it needs are either stored once to a
-  scratch buffer ([T, 2 ITERS - 1, n, n] fp32, ``STATES``: O(ITERS) small n x n operations) or recomputed from
-  the logits for every step (O(ITERS^2) operations in registers, no scratch); the same bytes either way;
+- the Sinkhorn backward differentiates the unrolled iterations; the 2 ITERS - 1 states it needs are kept in
+  registers (``STATES`` 2: the iterations unrolled, no memory), stored once to a scratch buffer
+  ([T, 2 ITERS - 1, n, n] fp32, ``STATES`` 1: each read back from L2 in the backward's chain) or recomputed from
+  the logits for every step (``STATES`` 0: O(ITERS^2) operations, no scratch); the same bytes every way;
 - ``g_mix = g_z * scale``; with ``r = rsqrt(mean(x^2) + eps)`` and ``mix = r (x @ fn^T)``:
   ``g_x = pre_j g_y + r (g_mix @ fn) - x r^2 / (nD) sum_c g_mix[c] mix[c]`` (second pass).
 
@@ -52,6 +53,34 @@ def _sinkhorn_bwd(z, g, valid, rows, eps, ITERS: tl.constexpr):
         for _ in range(ITERS - 1 - k):  # recompute A_step (a) and B_{step-1} (b), step = ITERS - 1 - k
             b = a / (tl.reduce(a, 1, _sum_combine)[:, None, :] + eps)
             a = b / (tl.reduce(b, 2, _sum_combine)[:, :, None] + eps)
+        c = tl.reduce(a, 1, _sum_combine)[:, None, :] + eps  # the step's column normalisation, backwards
+        g = tl.where(valid, (g - tl.reduce(g * (a / c), 1, _sum_combine)[:, None, :]) / c, 0.0)
+        c = tl.reduce(b, 2, _sum_combine)[:, :, None] + eps  # its row normalisation, backwards
+        g = tl.where(valid, (g - tl.reduce(g * (b / c), 2, _sum_combine)[:, :, None]) / c, 0.0)
+    c = tl.sum(a0, axis=1)[:, None, :] + eps
+    g = tl.where(valid, (g - tl.sum(g * (a0 / c), axis=1)[:, None, :]) / c, 0.0)
+    return s * (g - tl.sum(g * s, axis=2)[:, :, None])
+
+
+@triton.jit
+def _sinkhorn_bwd_kept(z, g, valid, rows, eps, ITERS: tl.constexpr):
+    """``_sinkhorn_bwd`` with the forward's states kept in registers: the iterations unrolled (``static_range``), each
+    state a tensor of its own in a tuple, so the backward's chain of small steps never waits on memory (stored, each
+    step's states come back from L2 in the chain). The same operations in the same order as the other two forms, so
+    the same bytes; 2 ITERS - 1 values per thread for each [P, P] entry it holds."""
+    s = _softmax_rows(z, valid, rows)
+    a0 = tl.where(valid, s + eps, 0.0)
+    a = a0
+    kept_a = (a0,)
+    kept_b = (a0,)  # slot 0 unused: b_m follows a_(m-1)
+    for _ in tl.static_range(1, ITERS):
+        b = a / (tl.reduce(a, 1, _sum_combine)[:, None, :] + eps)
+        a = b / (tl.reduce(b, 2, _sum_combine)[:, :, None] + eps)
+        kept_a = kept_a + (a,)
+        kept_b = kept_b + (b,)
+    for k in tl.static_range(ITERS - 1):
+        a = kept_a[ITERS - 1 - k]
+        b = kept_b[ITERS - 1 - k]
         c = tl.reduce(a, 1, _sum_combine)[:, None, :] + eps  # the step's column normalisation, backwards
         g = tl.where(valid, (g - tl.reduce(g * (a / c), 1, _sum_combine)[:, None, :]) / c, 0.0)
         c = tl.reduce(b, 2, _sum_combine)[:, :, None] + eps  # its row normalisation, backwards
@@ -159,7 +188,9 @@ def _logit_grads(mix_ptr, base_ptr, scale_ptr, dpost_ptr, dcomb_ptr, dz_ptr, sta
         z = tl.reshape(_logits(mix_ptr, base_ptr, scale_ptr, tt, t_mask[:, None], 2 * N + fi * N + fj, flat_valid, 2,
                                NOUT), [t.shape[0], P, P])
         g = tl.reshape(tl.load(dcomb_ptr + tt * (N * N) + fi * N + fj, mask=tt_mask, other=0.0), [t.shape[0], P, P])
-        if STATES:
+        if STATES == 2:
+            g = _sinkhorn_bwd_kept(z, g, valid, rows, eps, ITERS)
+        elif STATES:
             states = states_ptr + tt * ((2 * ITERS - 1) * P * P) + f
             g = _sinkhorn_bwd_stored(z, g, valid, rows, eps, states, tt_mask, ITERS, P * P)
         else:
@@ -203,8 +234,9 @@ def _mhc_pre_bwd(
     """BT tokens: g_pre (one pass over the streams), the logits' gradient ``g_z`` (stored, read back after a
     barrier), then per token what the streams' gradient needs (``_mhc_dx_bwd``): ``G = g_mix r`` [T, NO] (0 past
     NOUT; with ``PIECES`` its three bf16 pieces [3, T, NO]), ``coef`` [T] and the pre gate [T, P]; and this
-    block's sums of ``g_z`` and ``g_z mix`` (``sums``). ``STATES``: the Sinkhorn backward stores its states to
-    ``states_ptr`` [T, 2 ITERS - 1, P, P] instead of recomputing them (``_sinkhorn_bwd_stored``). ``SPLIT``:
+    block's sums of ``g_z`` and ``g_z mix`` (``sums``). ``STATES``: the Sinkhorn backward keeps its states in
+    registers (2, ``_sinkhorn_bwd_kept``) or stores them to ``states_ptr`` [T, 2 ITERS - 1, P, P] (1,
+    ``_sinkhorn_bwd_stored``) instead of recomputing them (0). ``SPLIT``:
     ``_mhc_gates_bwd`` ran first (``g_pre`` at ``dpre_ptr`` [T, P], the post and Sinkhorn parts of ``g_z``
     stored), so only the pre gate's part is left here."""
     pid = tl.program_id(0)
