@@ -517,12 +517,15 @@ class _Compiled:
         self.direct = (raw, self.function, *flags, self.packed) if usable else None
 
 
+_BINDABLE = ("JITFunction", "GluonJITFunction")
+
+
 def _layout(kernel: Any, args: Sequence[Any], meta: dict) -> tuple[Any, tuple[int, ...]]:
     """(the constexpr values after ``args`` in parameter order, the pointer positions), or (False, ()) when
-    ``kernel`` is not a plain Triton ``JITFunction`` launched with positional arguments then keyword
-    constexprs (it is then always launched through ``kernel[grid]``)."""
+    ``kernel`` is not a plain Triton ``JITFunction`` (or Gluon's, which compiles to the same launcher) launched with
+    positional arguments then keyword constexprs (it is then always launched through ``kernel[grid]``)."""
     params = getattr(kernel, "params", None)
-    if type(kernel).__name__ != "JITFunction" or params is None or len(args) > len(params):
+    if type(kernel).__name__ not in _BINDABLE or params is None or len(args) > len(params):
         return False, ()
     if any(p.name in meta for p in params[:len(args)]):
         return False, ()

@@ -27,7 +27,8 @@ with each variant's largest difference from the defaults' outputs; with ``--pick
 kernel that beats the defaults by more than 2 % is kept for what follows (printed); then each fused kernel's time
 inside the pre and combine forward + backward (torch profiler) with its own traffic, and the idle time between
 them; then the table. ``--probe`` first runs the accuracy probe of the bf16x3 projection's two accumulations at
-K = 16384 (why run 3's bf16 tests failed). Also usable as a case module of ``bench_fusions.py`` (``--modules bench_mhc``).
+K = 16384 (why run 3's bf16 tests failed). Also usable as a case module of ``bench_fusions.py`` (``--modules
+bench_mhc``).
 """
 
 from __future__ import annotations

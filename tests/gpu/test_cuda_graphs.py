@@ -48,13 +48,39 @@ def _ops():
     from fleet_ext.ops.inv_rope_postmix import kernel as postmix_bitwise
     from fleet_ext.ops.inv_rope_postmix import kernel_fast as postmix
     from fleet_ext.ops.kv_idx_remap import kernel as remap
+    from fleet_ext.ops.mhc import kernel as mhc
     from fleet_ext.ops.q_rms_norm import kernel as q_norm
     from fleet_ext.ops.qkv_prologue import kernel as prologue
     from fleet_ext.ops.rope import kernel as rope
     from fleet_ext.ops.sink_grad import kernel as sink
     from fleet_ext.ops.sparse_attn import kernel as sparse
 
-    return postmix_bitwise, postmix, remap, q_norm, prologue, rope, sink, sparse
+    return postmix_bitwise, postmix, remap, q_norm, prologue, rope, sink, sparse, mhc
+
+
+MHC_PRE = ["_mhc_fn_pieces", "_mhc_proj_gluon", "_mhc_pre_fwd", "_mhc_gates_bwd", "_mhc_pre_bwd", "_mhc_dx_gluon",
+           "_mhc_params_bwd"]
+
+
+def _mhc_case(mhc, combine: bool):
+    """The mHC pre op forward + backward (its seven launches; the Gluon kernels on Hopper) or the combine both ways,
+    64 tokens x 4 streams x 512, bf16."""
+    t, n, d, nout = 64, 4, 512, 24
+    x, g_y, f = torch.randn(t, n, d, device=DEV).to(BF16), *(torch.randn(t, d, device=DEV).to(BF16) for _ in range(2))
+    fn, base = 0.02 * torch.randn(nout, n * d, device=DEV), 0.5 * torch.randn(nout, device=DEV)
+    scale = torch.tensor([0.7, 1.3, 2.0], device=DEV)
+    g_post, g_comb = torch.randn(t, n, device=DEV), torch.randn(t, n, n, device=DEV)
+    if combine:
+        post, comb = (v.clone() for v in mhc.pre_forward(x, fn, base, scale, 20, 1e-6, 1e-6)[:2])
+        g_out = torch.randn_like(x)
+        return [x, f, g_out], lambda: (mhc.combine_forward(x, f, post, comb),
+                                       *mhc.combine_backward(x, f, post, comb, g_out))
+
+    def step():
+        post, comb, y, mix, r = mhc.pre_forward(x, fn, base, scale, 20, 1e-6, 1e-6)
+        return (post, comb, y, *mhc.pre_backward(x, fn, base, scale, mix, r, g_post, g_comb, g_y, 20, 1e-6))
+
+    return [x, g_y], step
 
 
 def _tables(seq: int, half: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,7 +123,7 @@ def _remap_case(remap, s: int):
 
 def _cases() -> dict:
     """name -> (kernels it launches, builder of (inputs to refresh, the call))."""
-    postmix_bitwise, postmix, remap, q_norm, prologue, rope, sink, sparse = _ops()
+    postmix_bitwise, postmix, remap, q_norm, prologue, rope, sink, sparse, mhc = _ops()
     b, s, h, d, half = 2, 24, 8, 512, 32
     cos, sin = _tables(s, half)
 
@@ -178,6 +204,8 @@ def _cases() -> dict:
         "inv_rope_postmix bitwise fwd": (["_rope_kernel", "_write_trailing_kernel"], postmix_bitwise_case),
         "sparse_attn fwd": (["_row_bound_kernel", "_sparse_attn_fwd_kernel"], lambda: _sparse_case(sparse, False)),
         "sparse_attn bwd": (["_bwd_dq_kernel", "_bwd_dkv_reduce_kernel"], lambda: _sparse_case(sparse, True)),
+        "mhc pre fwd+bwd": (MHC_PRE, lambda: _mhc_case(mhc, False)),
+        "mhc combine fwd+bwd": (["_mhc_combine_fwd", "_mhc_combine_bwd"], lambda: _mhc_case(mhc, True)),
     }
 
 
@@ -187,7 +215,7 @@ CASES = [  # _cases()'s names (listed here so that collection builds no tensor)
     "sink_grad", "sink_grad (d_lse)", "qkv q fwd", "qkv kv fwd", "qkv q bwd", "qkv kv bwd", "qkv kv fwd (no r)",
     "qkv q bwd (r recomputed)", "qkv kv bwd (r recomputed)",
     "inv_rope_postmix fast fwd", "inv_rope_postmix fast bwd", "inv_rope_postmix bitwise fwd", "sparse_attn fwd",
-    "sparse_attn bwd",
+    "sparse_attn bwd", "mhc pre fwd+bwd", "mhc combine fwd+bwd",
 ]
 
 
@@ -243,7 +271,7 @@ def _replay(graph: torch.cuda.CUDAGraph, static) -> None:
 
 
 def test_bound_launch_specialises_on_pointer_alignment_and_matches_the_unbound_launch(monkeypatch):
-    _, _, _, _, _, rope, _, _ = _ops()
+    rope = _ops()[5]
     from fleet_ext.ops import launch
 
     launch.clear_plans()
@@ -270,7 +298,7 @@ def test_bound_launch_specialises_on_pointer_alignment_and_matches_the_unbound_l
 
 
 def test_bound_launch_follows_the_current_stream():
-    _, _, _, _, _, rope, _, _ = _ops()
+    rope = _ops()[5]
     cos, sin = _tables(8, 16)
     x = torch.randn(1, 8, 4, 64, device=DEV).to(BF16)
     rope.rope(x, cos, sin), rope.rope(x, cos, sin)

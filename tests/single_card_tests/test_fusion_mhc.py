@@ -30,6 +30,7 @@ from fleet_ext import capability  # noqa: E402
 capability.prepare_triton()
 
 from fleet_ext.config import load_config  # noqa: E402
+from fleet_ext.ops import launch  # noqa: E402
 from fleet_ext.ops.mhc import function, kernel, reference  # noqa: E402
 from fleet_ext.registry import FUSIONS  # noqa: E402
 
@@ -173,6 +174,27 @@ def test_two_runs_are_byte_identical_and_no_grad_runs_the_same_forward(monkeypat
         mixed = function.mhc_combine(t["streams"], collapsed * t["block_out"], post, comb)
     for key, value in (("post", post), ("comb", comb), ("collapsed", collapsed), ("mixed", mixed)):
         assert_bitwise(value.numpy(), first[key], f"no_grad {key}")
+
+
+def test_repeat_calls_reuse_their_launch_plans(monkeypatch):
+    """The launchers check their arguments and plan their launches once per layout (host cost, issue 16 §4): a
+    repeat step builds no plan; another ``TUNE`` builds new ones (the plans depend on it) and a bad argument of a
+    new layout still raises (the checks run on a miss), leaving no plan behind."""
+    arrays, cot = _inputs(1, 5, 4, 32, seed=4)
+    caches = [launch.plan_cache(name) for name in ("mhc pre", "mhc pre (backward)", "mhc combine")]
+    _run(function, arrays, cot, 3, 1e-6)
+    built = [c.builds for c in caches]
+    with expect_launches("_mhc_pre_fwd", "_mhc_pre_bwd", "_mhc_combine_fwd", "_mhc_combine_bwd", min=1):
+        _run(function, arrays, cot, 3, 1e-6)
+    assert [c.builds for c in caches] == built
+    monkeypatch.setattr(kernel, "TUNE", {"pre_bwd": {"STATES": 1}})
+    _run(function, arrays, cot, 3, 1e-6)
+    assert [c.builds for c in caches] == [b + 2 for b in built]  # pre and head; the combine both ways
+    sizes = [len(c) for c in caches]
+    streams = paddle.zeros([1, 5, 4, 32])
+    with pytest.raises(ValueError, match=r"`base` must be float32 \[24\]"):
+        function.mhc_pre(streams, paddle.zeros([24, 128]), paddle.zeros([23]), paddle.ones([3]), 3, 1e-6, 1e-6)
+    assert [len(c) for c in caches] == sizes
 
 
 @pytest.mark.parametrize("iterations", [3, 20])

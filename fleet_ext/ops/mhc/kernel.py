@@ -55,7 +55,7 @@ from typing import Any
 import triton
 
 from fleet_ext import capability
-from fleet_ext.ops.launch import detached, dtype_name, empty_like, is_paddle, launch, shape_of, torch_view
+from fleet_ext.ops.launch import Plan, dtype_name, empty_like, fire, is_paddle, layout_key, plan_cache, shape_of
 from fleet_ext.ops.mhc.kernel_bwd import _mhc_combine_bwd, _mhc_dx_bwd, _mhc_gates_bwd, _mhc_params_bwd, _mhc_pre_bwd
 from fleet_ext.ops.mhc.kernel_dx_gluon import _mhc_dx_gluon
 from fleet_ext.ops.mhc.kernel_fwd import _mhc_combine_fwd, _mhc_fn_pieces, _mhc_pre_fwd, _mhc_proj_fwd
@@ -201,7 +201,7 @@ def gluon_fits(tensors: tuple, no: int, exact_products: bool, width: int, tile: 
         return f"mix width padded to {no} (needs 32: n = 4)"
     if width % tile:
         return f"width {width} not a multiple of the tile {tile}"
-    if any(int(torch_view(v).data_ptr()) % 16 for v in tensors):
+    if not all(map(_aligned, tensors)):
         return "rows not 16-byte aligned (cp.async copies 16 bytes)"
     return None
 
@@ -271,118 +271,175 @@ def _common(n: int, d: int, nout: int, head: bool, iterations: int) -> dict[str,
             "ITERS": int(iterations), "HEAD": bool(head)}
 
 
+def _fn_pieces_plan(nout: int, k: int, no: int) -> Plan:
+    return Plan((no, triton.cdiv(k, 1024)), (k,), dict(NOUT=nout, NO=no, BLOCK=1024))
+
+
 def fn_pieces(fn_w: Any, no: int, like: Any) -> Any:
     """``fn`` [NOUT, K] fp32 as its three bf16 pieces [3, no, K] (hi, mid, lo; rows past NOUT zero), in the dtype of
     ``like`` (the streams): the Gluon projection's operand, made once per call."""
     nout, k = shape_of(fn_w)
     pieces = empty_like(like, shape=[3, no, k])
-    launch(_mhc_fn_pieces, (no, triton.cdiv(k, 1024)), detached(fn_w), pieces, k, NOUT=nout, NO=no, BLOCK=1024)
+    fire(_mhc_fn_pieces, _fn_pieces_plan(nout, k, no), fn_w, pieces)
     return pieces
+
+
+# Launch plans per layout (``fleet_ext.ops.launch``, issue 16 §4): a call checks its arguments and decides kernels,
+# geometry and output shapes once per key; a repeat call looks the plan up, allocates and fires the bound launches.
+# The key holds every tensor's layout, the scalars, ``GLUON``, ``TUNE`` and whether the rows the Gluon kernels copy
+# are 16-byte aligned; after changing ``GPU_CONFIG`` or ``PRODUCTS`` by hand call ``launch.clear_plans()``.
+_FWD_PLANS = plan_cache("mhc pre")
+_BWD_PLANS = plan_cache("mhc pre (backward)")
+_COMBINE_PLANS = plan_cache("mhc combine")
+
+
+def _tuning() -> tuple:
+    return GLUON, repr(TUNE) if TUNE else ""
+
+
+def _aligned(t: Any) -> bool:
+    return int(t.data_ptr()) % 16 == 0
+
+
+class _PrePlan:
+    """The pre forward's sizes and launches for one key."""
+
+    __slots__ = ("t", "n", "d", "nout", "no", "splits", "gluon", "f32", "pieces", "proj", "pre")
+
+
+def _plan_pre_forward(key: tuple, x: Any, fn_w: Any, base: Any, scale: Any, iterations: int, eps: float,
+                      norm_eps: float, head: bool) -> _PrePlan:
+    t, n, d = _check_streams(x, "mhc_pre")
+    nout = _check_params(fn_w, base, scale, n, d, head, "mhc_pre")
+    plan = _PrePlan()
+    plan.t, plan.n, plan.d, plan.nout, plan.f32 = t, n, d, nout, _float32_of(x)
+    common = _common(n, d, nout, head, iterations)
+    plan.no = no = common["NO"]
+    dot, _ = _products(x)
+    plan.gluon = _use_gluon("proj", "mhc_pre", (x,), no, dot == DOT_BF16X3, n * d) if t > 0 else False
+    cfg = _config("proj_gluon" if plan.gluon else "proj", n, d)
+    per, plan.splits = _split(n * d, cfg["SPLITS"], cfg["BK"])
+    grid = (triton.cdiv(t, cfg["BT"]), plan.splits) if t > 0 else None
+    meta = dict(N=n, D=d, NOUT=nout, NO=no, **_meta(cfg), **({} if plan.gluon else {"DOT": dot}))
+    plan.pieces = _fn_pieces_plan(nout, n * d, no) if plan.gluon else None
+    plan.proj = Plan(grid, (t, per), meta)
+    cfg = _config("pre_fwd", n, d)
+    plan.pre = Plan((triton.cdiv(t, cfg["BT"]),) if t > 0 else None, (t, plan.splits, float(eps), float(norm_eps)),
+                    dict(**common, DOWNCAST=dtype_name(x) != "float32", **_meta(cfg)))
+    return _FWD_PLANS.add(key, plan)
 
 
 def pre_forward(x: Any, fn_w: Any, base: Any, scale: Any, iterations: int, eps: float, norm_eps: float,
                 head: bool = False) -> tuple[Any, Any, Any, Any, Any]:
     """``(post [T, n], comb [T, n, n], y [T, D], mix [T, NOUT], r [T])`` for streams ``x`` [T, n, D]; fp32 except
     ``y`` (x's dtype). With ``head``: the final collapse (``post``, ``comb`` are None; fn [n, nD], scale [1])."""
-    t, n, d = _check_streams(x, "mhc_pre")
-    nout = _check_params(fn_w, base, scale, n, d, head, "mhc_pre")
-    f32 = _float32_of(x)
-    mix = empty_like(x, shape=[t, nout], dtype=f32)
+    key = (layout_key(x), layout_key(fn_w), layout_key(base), layout_key(scale), iterations, eps, norm_eps, head,
+           _aligned(x), _tuning())
+    plan = _FWD_PLANS.get(key) or _plan_pre_forward(key, x, fn_w, base, scale, iterations, eps, norm_eps, head)
+    t, n, f32 = plan.t, plan.n, plan.f32
+    mix = empty_like(x, shape=[t, plan.nout], dtype=f32)
     r = empty_like(x, shape=[t], dtype=f32)
     post = None if head else empty_like(x, shape=[t, n], dtype=f32)
     comb = None if head else empty_like(x, shape=[t, n, n], dtype=f32)
-    y = empty_like(x, shape=[t, d])
+    y = empty_like(x, shape=[t, plan.d])
     if t == 0:
         return post, comb, y, mix, r
-    common = _common(n, d, nout, head, iterations)
-    no = common["NO"]
-    dot, _ = _products(x)
-    gluon = _use_gluon("proj", "mhc_pre", (x,), no, dot == DOT_BF16X3, n * d)
-    cfg = _config("proj_gluon" if gluon else "proj", n, d)
-    per, splits = _split(n * d, cfg["SPLITS"], cfg["BK"])
-    part = empty_like(x, shape=[splits, t, no], dtype=f32)
-    grid = (triton.cdiv(t, cfg["BT"]), splits)
-    if gluon:  # fn's bf16 pieces once, then the projection on warp-group MMAs
-        pieces = fn_pieces(fn_w, no, x)
-        launch(_mhc_proj_gluon, grid, detached(x), pieces, part, t, per, N=n, D=d, NOUT=nout, NO=no, **_meta(cfg))
+    part = empty_like(x, shape=[plan.splits, t, plan.no], dtype=f32)
+    if plan.gluon:  # fn's bf16 pieces once, then the projection on warp-group MMAs
+        pieces = empty_like(x, shape=[3, plan.no, n * plan.d])
+        fire(_mhc_fn_pieces, plan.pieces, fn_w, pieces)
+        fire(_mhc_proj_gluon, plan.proj, x, pieces, part)
     else:
-        launch(_mhc_proj_fwd, grid, detached(x), detached(fn_w), part, t, per, N=n, D=d, NOUT=nout, NO=no, DOT=dot,
-               **_meta(cfg))
-    cfg = _config("pre_fwd", n, d)
-    launch(
-        _mhc_pre_fwd, (triton.cdiv(t, cfg["BT"]),),
-        detached(x), part, detached(base), detached(scale), mix, r, mix if head else post, mix if head else comb, y,
-        t, splits, float(eps), float(norm_eps), **common, DOWNCAST=dtype_name(x) != "float32", **_meta(cfg),
-    )
+        fire(_mhc_proj_fwd, plan.proj, x, fn_w, part)
+    fire(_mhc_pre_fwd, plan.pre, x, part, base, scale, mix, r, mix if head else post, mix if head else comb, y)
     return post, comb, y, mix, r
+
+
+class _PreBwdPlan:
+    """The pre backward's sizes, buffer shapes and launches for one key."""
+
+    __slots__ = ("t", "n", "d", "nout", "no", "p", "f32", "splits", "blocks", "states", "scratch", "split", "pieces",
+                 "gluon", "gates", "pre", "dx", "params")
+
+
+def _plan_pre_backward(key: tuple, x: Any, fn_w: Any, base: Any, scale: Any, mix: Any, r: Any, d_post: Any,
+                       d_comb: Any, d_y: Any, iterations: int, eps: float, head: bool) -> _PreBwdPlan:
+    fn = "mhc_pre (backward)"
+    t, n, d = _check_streams(x, fn)
+    nout = _check_params(fn_w, base, scale, n, d, head, fn)
+    _check(d_y, "d_y", [t, d], (dtype_name(x),), fn)
+    _check(mix, "mix", [t, nout], ("float32",), fn)
+    _check(r, "r", [t], ("float32",), fn)
+    if not head:
+        _check(d_post, "d_post", [t, n], ("float32",), fn)
+        _check(d_comb, "d_comb", [t, n, n], ("float32",), fn)
+    plan = _PreBwdPlan()
+    common = _common(n, d, nout, head, iterations)
+    plan.t, plan.n, plan.d, plan.nout, plan.f32 = t, n, d, nout, _float32_of(x)
+    plan.no, plan.p = no, p = common["NO"], common["P"]
+    cfg = _config("pre_bwd", n, d)
+    plan.blocks = blocks = triton.cdiv(t, cfg["BT"])
+    dot, gx = _products(x)
+    plan.gluon = t > 0 and _use_gluon("dx", fn, (x, d_y), no, dot == DOT_BF16X3 and gx == DOT_BF16X3_ROUNDED, d)
+    cfg_dx = _config("dx_gluon" if plan.gluon else "dx", n, d)
+    per, plan.splits = _split(t, cfg_dx["SPLITS"], cfg_dx["BT"]) if t > 0 else (1, 0)
+    plan.pieces = plan.gluon or (dot == DOT_BF16X3 and gx in (DOT_BF16X6, DOT_BF16X3_ROUNDED)
+                                 and bool(cfg_dx["PIECES"]))
+    plan.states = int(cfg["STATES"]) if not head and iterations > 1 else 0  # kernel_bwd: 2 registers, 1 scratch
+    plan.scratch = [t, 2 * iterations - 1, p, p] if plan.states == 1 else None
+    cfg_gates = _config("gates", n, d)
+    plan.split = bool(cfg_gates["SPLIT"])
+    plan.gates = plan.pre = plan.dx = None
+    if t > 0:
+        if plan.split:
+            sinkhorn_blocks = 0 if head else triton.cdiv(t, cfg_gates["SINKHORN_BT"])
+            programs = sinkhorn_blocks + triton.cdiv(t, cfg_gates["BT"])
+            every = programs // sinkhorn_blocks if cfg_gates["INTERLEAVE"] and sinkhorn_blocks else 1
+            plan.gates = Plan((programs,), (t, float(eps), sinkhorn_blocks),
+                              dict(N=n, P=p, D=d, NOUT=nout, ITERS=iterations, HEAD=bool(head), STATES=plan.states,
+                                   EVERY=every, **_meta(cfg_gates)))
+        plan.pre = Plan((blocks,), (t, float(eps)), dict(**common, **_meta({**cfg, "STATES": plan.states}),
+                                                         PIECES=plan.pieces, SPLIT=plan.split))
+        meta = dict(N=n, P=p, D=d, NOUT=nout, NO=no, **_meta(cfg_dx))
+        if not plan.gluon:
+            meta.update(GX=gx, DOT=dot, DOWNCAST=dtype_name(x) != "float32", PIECES=plan.pieces)
+        plan.dx = Plan((n * triton.cdiv(d, cfg_dx["BD"]), plan.splits), (t, per), meta)
+    cfg = _config("params", n, d)
+    plan.params = Plan((triton.cdiv(nout * n * d, cfg["BLOCK"]) + 1,), (plan.splits, blocks if t > 0 else 0),
+                       dict(N=n, D=d, NOUT=nout, NO=no, HEAD=bool(head), GROUPS=1 if head else 3, **_meta(cfg)))
+    return _BWD_PLANS.add(key, plan)
 
 
 def pre_backward(x: Any, fn_w: Any, base: Any, scale: Any, mix: Any, r: Any, d_post: Any, d_comb: Any, d_y: Any,
                  iterations: int, eps: float, head: bool = False) -> tuple[Any, Any, Any, Any]:
     """``(g_x [T, n, D] in x's dtype, g_fn, g_base, g_scale)`` (fp32) of :func:`pre_forward` given the gradients
     of its outputs (``d_post``/``d_comb`` fp32, ignored with ``head``; ``d_y`` [T, D] in x's dtype)."""
-    t, n, d = _check_streams(x, "mhc_pre (backward)")
-    nout = _check_params(fn_w, base, scale, n, d, head, "mhc_pre (backward)")
-    _check(d_y, "d_y", [t, d], (dtype_name(x),), "mhc_pre (backward)")
-    _check(mix, "mix", [t, nout], ("float32",), "mhc_pre (backward)")
-    _check(r, "r", [t], ("float32",), "mhc_pre (backward)")
-    if not head:
-        _check(d_post, "d_post", [t, n], ("float32",), "mhc_pre (backward)")
-        _check(d_comb, "d_comb", [t, n, n], ("float32",), "mhc_pre (backward)")
-    f32 = _float32_of(x)
-    common = _common(n, d, nout, head, iterations)
-    no, p = common["NO"], common["P"]
+    key = (layout_key(x), layout_key(fn_w), layout_key(base), layout_key(scale), layout_key(mix), layout_key(r),
+           None if head else layout_key(d_post), None if head else layout_key(d_comb), layout_key(d_y), iterations,
+           eps, head, _aligned(x) and _aligned(d_y), _tuning())
+    plan = _BWD_PLANS.get(key) or _plan_pre_backward(key, x, fn_w, base, scale, mix, r, d_post, d_comb, d_y,
+                                                      iterations, eps, head)
+    t, n, d, nout, no, p, f32 = plan.t, plan.n, plan.d, plan.nout, plan.no, plan.p, plan.f32
     g_x = empty_like(x)
     g_fn = empty_like(x, shape=[nout, n * d], dtype=f32)
     g_base = empty_like(x, shape=[nout], dtype=f32)
     g_scale = empty_like(x, shape=[1 if head else 3], dtype=f32)
-    cfg = _config("pre_bwd", n, d)
-    blocks = triton.cdiv(t, cfg["BT"])
-    sums = empty_like(x, shape=[max(blocks, 1), 2, no], dtype=f32)
-    dot, gx = _products(x)
-    gluon_dx = _use_gluon("dx", "mhc_pre (backward)", (x, d_y), no, dot == DOT_BF16X3 and gx == DOT_BF16X3_ROUNDED, d)
-    cfg_dx = _config("dx_gluon" if gluon_dx else "dx", n, d)
-    per, splits = _split(t, cfg_dx["SPLITS"], cfg_dx["BT"]) if t > 0 else (1, 0)
-    part = empty_like(x, shape=[max(splits, 1), no, n * d], dtype=f32)
+    sums = empty_like(x, shape=[max(plan.blocks, 1), 2, no], dtype=f32)
+    part = empty_like(x, shape=[max(plan.splits, 1), no, n * d], dtype=f32)
     if t > 0:
         dz = empty_like(x, shape=[t, nout], dtype=f32)
-        pieces = gluon_dx or (dot == DOT_BF16X3 and gx in (DOT_BF16X6, DOT_BF16X3_ROUNDED) and bool(cfg_dx["PIECES"]))
-        g = empty_like(x, shape=[3, t, no]) if pieces else empty_like(x, shape=[t, no], dtype=f32)
+        g = empty_like(x, shape=[3, t, no]) if plan.pieces else empty_like(x, shape=[t, no], dtype=f32)
         coef = empty_like(x, shape=[t], dtype=f32)
         pre = empty_like(x, shape=[t, p], dtype=f32)
-        states = int(cfg["STATES"]) if not head and iterations > 1 else 0  # kernel_bwd: 2 registers, 1 scratch
-        scratch = empty_like(x, shape=[t, 2 * iterations - 1, p, p], dtype=f32) if states == 1 else dz
-        cfg_gates = _config("gates", n, d)
-        split = bool(cfg_gates["SPLIT"])
-        d_pre = empty_like(x, shape=[t, p], dtype=f32) if split else dz
-        if split:
-            sinkhorn_blocks = 0 if head else triton.cdiv(t, cfg_gates["SINKHORN_BT"])
-            programs = sinkhorn_blocks + triton.cdiv(t, cfg_gates["BT"])
-            every = programs // sinkhorn_blocks if cfg_gates["INTERLEAVE"] and sinkhorn_blocks else 1
-            launch(_mhc_gates_bwd, (programs,), detached(x), detached(d_y), d_pre, detached(base), detached(scale),
-                   detached(mix), detached(d_y if head else d_post), detached(d_y if head else d_comb), dz, scratch,
-                   t, float(eps), sinkhorn_blocks, N=n, P=p, D=d, NOUT=nout, ITERS=iterations, HEAD=bool(head),
-                   STATES=states, EVERY=every, **_meta(cfg_gates))
-        launch(
-            _mhc_pre_bwd, (blocks,),
-            detached(x), detached(base), detached(scale), detached(mix), detached(r),
-            detached(d_y if head else d_post), detached(d_y if head else d_comb), detached(d_y), dz, g, coef, pre,
-            sums, scratch, d_pre, t, float(eps), **common, **_meta({**cfg, "STATES": states}), PIECES=pieces,
-            SPLIT=split,
-        )
-        dx_args = (detached(x), detached(fn_w), g, pre, coef, detached(d_y), g_x, part, t, per)
-        grid = (n * triton.cdiv(d, cfg_dx["BD"]), splits)
-        if gluon_dx:
-            launch(_mhc_dx_gluon, grid, *dx_args, N=n, P=p, D=d, NOUT=nout, NO=no, **_meta(cfg_dx))
-        else:
-            launch(_mhc_dx_bwd, grid, *dx_args, N=n, P=p, D=d, NOUT=nout, NO=no, GX=gx, DOT=dot,
-                   DOWNCAST=dtype_name(x) != "float32", PIECES=pieces, **_meta(cfg_dx))
-    cfg = _config("params", n, d)
-    launch(
-        _mhc_params_bwd, (triton.cdiv(nout * n * d, cfg["BLOCK"]) + 1,),
-        part, sums, g_fn, g_base, g_scale, splits, blocks if t > 0 else 0,
-        N=n, D=d, NOUT=nout, NO=no, HEAD=bool(head), GROUPS=1 if head else 3, **_meta(cfg),
-    )
+        scratch = dz if plan.scratch is None else empty_like(x, shape=plan.scratch, dtype=f32)
+        d_pre = empty_like(x, shape=[t, p], dtype=f32) if plan.split else dz
+        d_post, d_comb = (d_y, d_y) if head else (d_post, d_comb)
+        if plan.split:
+            fire(_mhc_gates_bwd, plan.gates, x, d_y, d_pre, base, scale, mix, d_post, d_comb, dz, scratch)
+        fire(_mhc_pre_bwd, plan.pre, x, base, scale, mix, r, d_post, d_comb, d_y, dz, g, coef, pre, sums, scratch,
+             d_pre)
+        fire(_mhc_dx_gluon if plan.gluon else _mhc_dx_bwd, plan.dx, x, fn_w, g, pre, coef, d_y, g_x, part)
+    fire(_mhc_params_bwd, plan.params, part, sums, g_fn, g_base, g_scale)
     return g_x, g_fn, g_base, g_scale
 
 
@@ -392,21 +449,6 @@ def _check_combine(x: Any, f: Any, post: Any, comb: Any, fn: str) -> tuple[int, 
     _check(post, "post", [t, n], ("float32",), fn)
     _check(comb, "comb", [t, n, n], ("float32",), fn)
     return t, n, d
-
-
-def combine_forward(x: Any, f: Any, post: Any, comb: Any) -> Any:
-    """``X'_k = post_k f + sum_j comb[j, k] X_j`` for streams ``x`` [T, n, D], ``f`` [T, D]; in x's dtype."""
-    t, n, d = _check_combine(x, f, post, comb, "mhc_combine")
-    out = empty_like(x)
-    if t == 0:
-        return out
-    cfg = _config("combine_fwd", n, d)
-    launch(
-        _mhc_combine_fwd, (triton.cdiv(t, cfg["BT"]), triton.cdiv(d, cfg["BD"])),
-        detached(x), detached(f), detached(post), detached(comb), out, t,
-        N=n, P=triton.next_power_of_2(n), D=d, DOWNCAST=dtype_name(x) != "float32", **cfg,
-    )
-    return out
 
 
 def _combine_bwd_config(x: Any, n: int, d: int) -> dict[str, int]:
@@ -421,23 +463,42 @@ def _combine_bwd_config(x: Any, n: int, d: int) -> dict[str, int]:
     return {**cfg, "V": vec, "BD": width * max(1, min(cfg["VECS"], triton.cdiv(d, width)))}
 
 
+def _plan_combine(key: tuple, x: Any, f: Any, post: Any, comb: Any, backward: bool, d_out: Any) -> Plan:
+    fn = "mhc_combine (backward)" if backward else "mhc_combine"
+    t, n, d = _check_combine(x, f, post, comb, fn)
+    shapes = ([t, n], [t, n, n], _float32_of(x))  # g_post, g_comb (the backward's fp32 outputs)
+    if t == 0:
+        return _COMBINE_PLANS.add(key, Plan(None, info=shapes))
+    p = triton.next_power_of_2(n)
+    if backward:
+        _check(d_out, "d_out", [t, n, d], (dtype_name(x),), fn)
+        cfg = _combine_bwd_config(x, n, d)
+        meta = dict(N=n, P=p, D=d, DOWNCAST_X=dtype_name(x) != "float32", DOWNCAST_F=dtype_name(f) != "float32",
+                    **_meta(cfg))
+        return _COMBINE_PLANS.add(key, Plan((triton.cdiv(t, cfg["BT"]),), (t,), meta, shapes))
+    cfg = _config("combine_fwd", n, d)
+    return _COMBINE_PLANS.add(key, Plan((triton.cdiv(t, cfg["BT"]), triton.cdiv(d, cfg["BD"])), (t,),
+                                        dict(N=n, P=p, D=d, DOWNCAST=dtype_name(x) != "float32", **cfg), shapes))
+
+
+def combine_forward(x: Any, f: Any, post: Any, comb: Any) -> Any:
+    """``X'_k = post_k f + sum_j comb[j, k] X_j`` for streams ``x`` [T, n, D], ``f`` [T, D]; in x's dtype."""
+    key = (layout_key(x), layout_key(f), layout_key(post), layout_key(comb), False, _tuning())
+    plan = _COMBINE_PLANS.get(key) or _plan_combine(key, x, f, post, comb, False, None)
+    out = empty_like(x)
+    fire(_mhc_combine_fwd, plan, x, f, post, comb, out)
+    return out
+
+
 def combine_backward(x: Any, f: Any, post: Any, comb: Any, d_out: Any) -> tuple[Any, Any, Any, Any]:
     """``(g_x, g_f, g_post, g_comb)`` of :func:`combine_forward` given ``d_out`` (like x)."""
-    t, n, d = _check_combine(x, f, post, comb, "mhc_combine (backward)")
-    _check(d_out, "d_out", [t, n, d], (dtype_name(x),), "mhc_combine (backward)")
-    f32 = _float32_of(x)
+    key = (layout_key(x), layout_key(f), layout_key(post), layout_key(comb), layout_key(d_out), _tuning())
+    plan = _COMBINE_PLANS.get(key) or _plan_combine(key, x, f, post, comb, True, d_out)
+    g_post_shape, g_comb_shape, f32 = plan.info
     g_x, g_f = empty_like(x), empty_like(f)
-    g_post = empty_like(x, shape=[t, n], dtype=f32)
-    g_comb = empty_like(x, shape=[t, n, n], dtype=f32)
-    if t == 0:
-        return g_x, g_f, g_post, g_comb
-    cfg = _combine_bwd_config(x, n, d)
-    launch(
-        _mhc_combine_bwd, (triton.cdiv(t, cfg["BT"]),),
-        detached(x), detached(f), detached(post), detached(comb), detached(d_out), g_x, g_f, g_post, g_comb, t,
-        N=n, P=triton.next_power_of_2(n), D=d, DOWNCAST_X=dtype_name(x) != "float32",
-        DOWNCAST_F=dtype_name(f) != "float32", **_meta(cfg),
-    )
+    g_post = empty_like(x, shape=g_post_shape, dtype=f32)
+    g_comb = empty_like(x, shape=g_comb_shape, dtype=f32)
+    fire(_mhc_combine_bwd, plan, x, f, post, comb, d_out, g_x, g_f, g_post, g_comb)
     return g_x, g_f, g_post, g_comb
 
 
