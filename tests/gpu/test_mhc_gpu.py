@@ -288,6 +288,27 @@ def test_gluon_kernels_match_triton_and_float64(kernel, monkeypatch, tokens, d):
         assert not agree(planted), f"the comparison misses a 3 % error in output {i}"
 
 
+def test_repeat_launches_are_bound_gluon_kernels_included(kernel):
+    """Each launch plan of the pre op and the combine (``kernel._FWD_PLANS``, ...) goes through Triton's
+    ``kernel[grid]`` once (it compiles) and straight to the compiled kernel after that (``launch.Bound``), the Gluon
+    projection and streams' gradient too; the outputs of a bound call equal the first call's bytes."""
+    from fleet_ext.ops import launch
+
+    launch.clear_plans()
+    a = make(512, 4, 4096, torch.bfloat16, seed=7)
+    first = _step(kernel, a)
+    for _ in range(2):
+        for i, (got, want) in enumerate(zip(_step(kernel, a), first)):
+            assert_bitwise(got, want, f"output {i}, bound launch vs the first call")
+    plans = [p for cache in (kernel._FWD_PLANS, kernel._BWD_PLANS, kernel._COMBINE_PLANS) for entry in cache.values()
+             for p in ([entry] if isinstance(entry, launch.Plan) else
+                       [getattr(entry, s) for s in entry.__slots__ if isinstance(getattr(entry, s), launch.Plan)])]
+    names = {launch._kernel_name(k) for k in (kernel._mhc_proj_gluon, kernel._mhc_dx_gluon)}
+    bound = {p.bound.name for p in plans if p.grid is not None and p.bound.misses == 1 and p.bound.compiled}
+    assert len(plans) >= 8 and names <= bound, (sorted(bound), [(p.bound.name, p.bound.misses) for p in plans])
+    assert all(p.bound.misses == 1 for p in plans if p.grid is not None)
+
+
 def _variant_id(variant: dict) -> str:
     return "-".join(f"{key}-" + "-".join(f"{k}{v}" for k, v in cfg.items()) for key, cfg in variant.items())
 
