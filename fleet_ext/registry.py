@@ -384,7 +384,8 @@ FUSIONS: dict[str, Fusion] = {
             switch="use_fused_mhc",
             summary="mHC: the projection + RMS statistics split over K (one pass over the streams), then gates + "
             "Sinkhorn + pre collapse (the head: without Sinkhorn); the post/comb combine in one kernel; backward: "
-            "gate gradients, the streams' gradient with the parameter gradient's split sums (on Hopper with bf16 "
+            "gate gradients (the Sinkhorn backward's 2 x iterations - 1 states per token kept in registers), the "
+            "streams' gradient with the parameter gradient's split sums (on Hopper with bf16 "
             "streams a Gluon kernel, both products as warp-group MMAs), the splits added in a fixed order (no atomics)",
             fused="fleet_ext.ops.mhc.function:mhc_pre",  # its module's `mhc_head` and `mhc_combine` come with it
             reference="fleet_ext.ops.mhc.reference:mhc_pre",
