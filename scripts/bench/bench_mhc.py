@@ -92,7 +92,7 @@ def _eager_head(x, fn, base, scale):
     return torch_mhc.mhc_head(x, fn, base, scale, EPS, EPS)
 
 
-def _with_backward(forward, inputs: list[torch.Tensor], cotangents: list[torch.Tensor]):
+def with_backward(forward, inputs: list[torch.Tensor], cotangents: list[torch.Tensor]):
     """A callable running ``forward`` on leaves that require grad, then torch autograd's backward."""
     leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
 
@@ -159,11 +159,11 @@ def cases() -> list[dict]:
         {"name": "mhc combine fwd", "shape": shape, "eager": lambda: torch_mhc.mhc_combine(*comb_args),
          "fused": lambda: kernel.combine_forward(*comb_args), "bytes_moved": 2 * xb + yb, "kernel_bytes": 2 * xb + yb},
         {"name": "mhc pre fwd+bwd", "shape": shape,
-         "eager": _with_backward(_eager_pre, pre_args, [a["g_post"], a["g_comb"], a["g_y"]]),
+         "eager": with_backward(_eager_pre, pre_args, [a["g_post"], a["g_comb"], a["g_y"]]),
          "fused": lambda: _fused_pre_step(a), "bytes_moved": 3 * xb + 2 * yb + 3 * small,
          "kernel_bytes": fwd_kernel + bwd_kernel},
         {"name": "mhc combine fwd+bwd", "shape": shape,
-         "eager": _with_backward(torch_mhc.mhc_combine, comb_args, [a["g_out"]]),
+         "eager": with_backward(torch_mhc.mhc_combine, comb_args, [a["g_out"]]),
          "fused": lambda: kernel.combine_backward(*comb_args, kernel.combine_forward(*comb_args)),
          "bytes_moved": 5 * xb + 3 * yb, "kernel_bytes": 5 * xb + 3 * yb},
     ]

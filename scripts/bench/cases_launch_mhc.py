@@ -4,19 +4,10 @@
 from __future__ import annotations
 
 import torch
+from bench_mhc import with_backward
 from helpers import torch_mhc
 
 from fleet_ext.ops.mhc import kernel as mhc
-
-
-def _with_grads(forward, inputs: list[torch.Tensor], cotangents: list[torch.Tensor]):
-    leaves = [t.detach().requires_grad_() for t in inputs]
-
-    def step():
-        outs = forward(*leaves)
-        return torch.autograd.grad(outs if isinstance(outs, tuple) else (outs,), leaves, cotangents)
-
-    return step
 
 
 def mhc_cases(tokens: int, d: int, eps: float) -> list[dict]:
@@ -40,8 +31,8 @@ def mhc_cases(tokens: int, d: int, eps: float) -> list[dict]:
 
     return [
         dict(name="mhc pre fwd+bwd", launches=7, fused=pre_step,
-             eager=_with_grads(eager_pre, [x, fn, base, scale], [g_post, g_comb, g_y])),
+             eager=with_backward(eager_pre, [x, fn, base, scale], [g_post, g_comb, g_y])),
         dict(name="mhc combine fwd+bwd", launches=2,
              fused=lambda: mhc.combine_backward(x, f, post, comb, mhc.combine_forward(x, f, post, comb)),
-             eager=_with_grads(torch_mhc.mhc_combine, [x, f, post, comb], [g_out])),
+             eager=with_backward(torch_mhc.mhc_combine, [x, f, post, comb], [g_out])),
     ]

@@ -40,11 +40,31 @@ from fleet_ext.ops.split_dot import _bf16_pieces, _dot, _dot3, _dot_split
 
 
 @triton.jit
+def _step_bwd(g, a, b, valid, eps):
+    """One Sinkhorn step (``b`` row-normalised into ``a``, after ``b`` came from a column normalisation), backwards:
+    ``g`` through ``a``'s column sums, then through ``b``'s row sums. For ``y = x / (sum(x) + eps)`` along an axis:
+    ``g_x = (g_y - sum(g_y y)) / (sum(x) + eps)`` (padded entries held at 0)."""
+    c = tl.reduce(a, 1, _sum_combine)[:, None, :] + eps  # the step's column normalisation, backwards
+    g = tl.where(valid, (g - tl.reduce(g * (a / c), 1, _sum_combine)[:, None, :]) / c, 0.0)
+    c = tl.reduce(b, 2, _sum_combine)[:, :, None] + eps  # its row normalisation, backwards
+    return tl.where(valid, (g - tl.reduce(g * (b / c), 2, _sum_combine)[:, :, None]) / c, 0.0)
+
+
+@triton.jit
+def _first_steps_bwd(g, s, a0, valid, eps):
+    """The first column normalisation of ``a0 = softmax + eps`` and the row softmax ``s``, backwards: the logits'
+    gradient."""
+    c = tl.sum(a0, axis=1)[:, None, :] + eps
+    g = tl.where(valid, (g - tl.sum(g * (a0 / c), axis=1)[:, None, :]) / c, 0.0)
+    return s * (g - tl.sum(g * s, axis=2)[:, :, None])
+
+
+@triton.jit
 def _sinkhorn_bwd(z, g, valid, rows, eps, ITERS: tl.constexpr):
     """Gradient w.r.t. the logits ``z`` [BT, P, P] of ``kernel_fwd._sinkhorn`` given ``g`` for its output.
 
-    For ``y = x / (sum(x) + eps)`` along an axis: ``g_x = (g_y - sum(g_y y)) / (sum(x) + eps)`` (padded entries
-    held at 0). Written out in the loops (see ``kernel_fwd._sinkhorn``: no jitted calls in hot loops)."""
+    Each step backwards is ``_step_bwd``: one jitted call per step (the interpreter re-patches Triton's builtins
+    per call, ``kernel_fwd._sinkhorn``), against the O(ITERS^2) recomputation around it."""
     s = _softmax_rows(z, valid, rows)
     a0 = tl.where(valid, s + eps, 0.0)
     for k in range(ITERS - 1):
@@ -53,13 +73,8 @@ def _sinkhorn_bwd(z, g, valid, rows, eps, ITERS: tl.constexpr):
         for _ in range(ITERS - 1 - k):  # recompute A_step (a) and B_{step-1} (b), step = ITERS - 1 - k
             b = a / (tl.reduce(a, 1, _sum_combine)[:, None, :] + eps)
             a = b / (tl.reduce(b, 2, _sum_combine)[:, :, None] + eps)
-        c = tl.reduce(a, 1, _sum_combine)[:, None, :] + eps  # the step's column normalisation, backwards
-        g = tl.where(valid, (g - tl.reduce(g * (a / c), 1, _sum_combine)[:, None, :]) / c, 0.0)
-        c = tl.reduce(b, 2, _sum_combine)[:, :, None] + eps  # its row normalisation, backwards
-        g = tl.where(valid, (g - tl.reduce(g * (b / c), 2, _sum_combine)[:, :, None]) / c, 0.0)
-    c = tl.sum(a0, axis=1)[:, None, :] + eps
-    g = tl.where(valid, (g - tl.sum(g * (a0 / c), axis=1)[:, None, :]) / c, 0.0)
-    return s * (g - tl.sum(g * s, axis=2)[:, :, None])
+        g = _step_bwd(g, a, b, valid, eps)
+    return _first_steps_bwd(g, s, a0, valid, eps)
 
 
 @triton.jit
@@ -81,13 +96,8 @@ def _sinkhorn_bwd_kept(z, g, valid, rows, eps, ITERS: tl.constexpr):
     for k in tl.static_range(ITERS - 1):
         a = kept_a[ITERS - 1 - k]
         b = kept_b[ITERS - 1 - k]
-        c = tl.reduce(a, 1, _sum_combine)[:, None, :] + eps  # the step's column normalisation, backwards
-        g = tl.where(valid, (g - tl.reduce(g * (a / c), 1, _sum_combine)[:, None, :]) / c, 0.0)
-        c = tl.reduce(b, 2, _sum_combine)[:, :, None] + eps  # its row normalisation, backwards
-        g = tl.where(valid, (g - tl.reduce(g * (b / c), 2, _sum_combine)[:, :, None]) / c, 0.0)
-    c = tl.sum(a0, axis=1)[:, None, :] + eps
-    g = tl.where(valid, (g - tl.sum(g * (a0 / c), axis=1)[:, None, :]) / c, 0.0)
-    return s * (g - tl.sum(g * s, axis=2)[:, :, None])
+        g = _step_bwd(g, a, b, valid, eps)
+    return _first_steps_bwd(g, s, a0, valid, eps)
 
 
 @triton.jit
@@ -111,13 +121,8 @@ def _sinkhorn_bwd_stored(z, g, valid, rows, eps, states, mask, ITERS: tl.constex
         step = ITERS - 1 - k
         a = tl.reshape(tl.load(states + (2 * step) * PP, mask=mask, other=0.0, cache_modifier=".cg"), z.shape)
         b = tl.reshape(tl.load(states + (2 * step - 1) * PP, mask=mask, other=0.0, cache_modifier=".cg"), z.shape)
-        c = tl.reduce(a, 1, _sum_combine)[:, None, :] + eps  # the step's column normalisation, backwards
-        g = tl.where(valid, (g - tl.reduce(g * (a / c), 1, _sum_combine)[:, None, :]) / c, 0.0)
-        c = tl.reduce(b, 2, _sum_combine)[:, :, None] + eps  # its row normalisation, backwards
-        g = tl.where(valid, (g - tl.reduce(g * (b / c), 2, _sum_combine)[:, :, None]) / c, 0.0)
-    c = tl.sum(a0, axis=1)[:, None, :] + eps
-    g = tl.where(valid, (g - tl.sum(g * (a0 / c), axis=1)[:, None, :]) / c, 0.0)
-    return s * (g - tl.sum(g * s, axis=2)[:, :, None])
+        g = _step_bwd(g, a, b, valid, eps)
+    return _first_steps_bwd(g, s, a0, valid, eps)
 
 
 @triton.jit
