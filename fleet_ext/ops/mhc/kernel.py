@@ -55,7 +55,8 @@ from typing import Any
 import triton
 
 from fleet_ext import capability
-from fleet_ext.ops.launch import Plan, dtype_name, empty_like, fire, is_paddle, layout_key, plan_cache, shape_of
+from fleet_ext.ops.buffers import Scratch, device_key, maker
+from fleet_ext.ops.launch import Plan, dtype_name, fire, is_paddle, layout_key, plan_cache, shape_of
 from fleet_ext.ops.mhc.kernel_bwd import _mhc_combine_bwd, _mhc_dx_bwd, _mhc_gates_bwd, _mhc_params_bwd, _mhc_pre_bwd
 from fleet_ext.ops.mhc.kernel_dx_gluon import _mhc_dx_gluon
 from fleet_ext.ops.mhc.kernel_fwd import _mhc_combine_fwd, _mhc_fn_pieces, _mhc_pre_fwd, _mhc_proj_fwd
@@ -279,15 +280,16 @@ def fn_pieces(fn_w: Any, no: int, like: Any) -> Any:
     """``fn`` [NOUT, K] fp32 as its three bf16 pieces [3, no, K] (hi, mid, lo; rows past NOUT zero), in the dtype of
     ``like`` (the streams): the Gluon projection's operand, made once per call."""
     nout, k = shape_of(fn_w)
-    pieces = empty_like(like, shape=[3, no, k])
+    pieces = maker(like, [3, no, k])()
     fire(_mhc_fn_pieces, _fn_pieces_plan(nout, k, no), fn_w, pieces)
     return pieces
 
 
 # Launch plans per layout (``fleet_ext.ops.launch``, issue 16 §4): a call checks its arguments and decides kernels,
-# geometry and output shapes once per key; a repeat call looks the plan up, allocates and fires the bound launches.
-# The key holds every tensor's layout, the scalars, ``GLUON``, ``TUNE`` and whether the rows the Gluon kernels copy
-# are 16-byte aligned; after changing ``GPU_CONFIG`` or ``PRODUCTS`` by hand call ``launch.clear_plans()``.
+# geometry and buffers once per key; a repeat call looks the plan up, makes its outputs and its scratch (one
+# allocation per dtype, ``fleet_ext.ops.buffers``) and fires the bound launches. The key holds every tensor's
+# layout, the device, the scalars, ``GLUON``, ``TUNE`` and whether the rows the Gluon kernels copy are 16-byte
+# aligned; after changing ``GPU_CONFIG`` or ``PRODUCTS`` by hand call ``launch.clear_plans()``.
 _FWD_PLANS = plan_cache("mhc pre")
 _BWD_PLANS = plan_cache("mhc pre (backward)")
 _COMBINE_PLANS = plan_cache("mhc combine")
@@ -304,7 +306,8 @@ def _aligned(t: Any) -> bool:
 class _PrePlan:
     """The pre forward's sizes and launches for one key."""
 
-    __slots__ = ("t", "n", "d", "nout", "no", "splits", "gluon", "f32", "pieces", "proj", "pre")
+    __slots__ = ("splits", "gluon", "pieces", "proj", "pre", "new_mix", "new_r", "new_post", "new_comb", "new_y",
+                 "new_part", "new_pieces")
 
 
 def _plan_pre_forward(key: tuple, x: Any, fn_w: Any, base: Any, scale: Any, iterations: int, eps: float,
@@ -312,9 +315,9 @@ def _plan_pre_forward(key: tuple, x: Any, fn_w: Any, base: Any, scale: Any, iter
     t, n, d = _check_streams(x, "mhc_pre")
     nout = _check_params(fn_w, base, scale, n, d, head, "mhc_pre")
     plan = _PrePlan()
-    plan.t, plan.n, plan.d, plan.nout, plan.f32 = t, n, d, nout, _float32_of(x)
+    f32 = _float32_of(x)
     common = _common(n, d, nout, head, iterations)
-    plan.no = no = common["NO"]
+    no = common["NO"]
     dot, _ = _products(x)
     plan.gluon = _use_gluon("proj", "mhc_pre", (x,), no, dot == DOT_BF16X3, n * d) if t > 0 else False
     cfg = _config("proj_gluon" if plan.gluon else "proj", n, d)
@@ -323,6 +326,11 @@ def _plan_pre_forward(key: tuple, x: Any, fn_w: Any, base: Any, scale: Any, iter
     meta = dict(N=n, D=d, NOUT=nout, NO=no, **_meta(cfg), **({} if plan.gluon else {"DOT": dot}))
     plan.pieces = _fn_pieces_plan(nout, n * d, no) if plan.gluon else None
     plan.proj = Plan(grid, (t, per), meta)
+    plan.new_mix, plan.new_r, plan.new_y = maker(x, [t, nout], f32), maker(x, [t], f32), maker(x, [t, d])
+    plan.new_post = None if head else maker(x, [t, n], f32)
+    plan.new_comb = None if head else maker(x, [t, n, n], f32)
+    plan.new_part = maker(x, [plan.splits, t, no], f32)
+    plan.new_pieces = maker(x, [3, no, n * d]) if plan.gluon else None
     cfg = _config("pre_fwd", n, d)
     plan.pre = Plan((triton.cdiv(t, cfg["BT"]),) if t > 0 else None, (t, plan.splits, float(eps), float(norm_eps)),
                     dict(**common, DOWNCAST=dtype_name(x) != "float32", **_meta(cfg)))
@@ -334,19 +342,15 @@ def pre_forward(x: Any, fn_w: Any, base: Any, scale: Any, iterations: int, eps: 
     """``(post [T, n], comb [T, n, n], y [T, D], mix [T, NOUT], r [T])`` for streams ``x`` [T, n, D]; fp32 except
     ``y`` (x's dtype). With ``head``: the final collapse (``post``, ``comb`` are None; fn [n, nD], scale [1])."""
     key = (layout_key(x), layout_key(fn_w), layout_key(base), layout_key(scale), iterations, eps, norm_eps, head,
-           _aligned(x), _tuning())
+           device_key(x), _aligned(x), _tuning())
     plan = _FWD_PLANS.get(key) or _plan_pre_forward(key, x, fn_w, base, scale, iterations, eps, norm_eps, head)
-    t, n, f32 = plan.t, plan.n, plan.f32
-    mix = empty_like(x, shape=[t, plan.nout], dtype=f32)
-    r = empty_like(x, shape=[t], dtype=f32)
-    post = None if head else empty_like(x, shape=[t, n], dtype=f32)
-    comb = None if head else empty_like(x, shape=[t, n, n], dtype=f32)
-    y = empty_like(x, shape=[t, plan.d])
-    if t == 0:
+    mix, r, y = plan.new_mix(), plan.new_r(), plan.new_y()
+    post, comb = (None, None) if head else (plan.new_post(), plan.new_comb())
+    if plan.pre.grid is None:  # no tokens
         return post, comb, y, mix, r
-    part = empty_like(x, shape=[plan.splits, t, plan.no], dtype=f32)
+    part = plan.new_part()
     if plan.gluon:  # fn's bf16 pieces once, then the projection on warp-group MMAs
-        pieces = empty_like(x, shape=[3, plan.no, n * plan.d])
+        pieces = plan.new_pieces()
         fire(_mhc_fn_pieces, plan.pieces, fn_w, pieces)
         fire(_mhc_proj_gluon, plan.proj, x, pieces, part)
     else:
@@ -358,8 +362,8 @@ def pre_forward(x: Any, fn_w: Any, base: Any, scale: Any, iterations: int, eps: 
 class _PreBwdPlan:
     """The pre backward's sizes, buffer shapes and launches for one key."""
 
-    __slots__ = ("t", "n", "d", "nout", "no", "p", "f32", "splits", "blocks", "states", "scratch", "split", "pieces",
-                 "gluon", "gates", "pre", "dx", "params")
+    __slots__ = ("splits", "states", "split", "pieces", "gluon", "gates", "pre", "dx", "params", "new_g_x", "new_g_fn",
+                 "new_g_base", "new_g_scale", "scratch", "new_g_pieces")
 
 
 def _plan_pre_backward(key: tuple, x: Any, fn_w: Any, base: Any, scale: Any, mix: Any, r: Any, d_post: Any,
@@ -375,10 +379,9 @@ def _plan_pre_backward(key: tuple, x: Any, fn_w: Any, base: Any, scale: Any, mix
         _check(d_comb, "d_comb", [t, n, n], ("float32",), fn)
     plan = _PreBwdPlan()
     common = _common(n, d, nout, head, iterations)
-    plan.t, plan.n, plan.d, plan.nout, plan.f32 = t, n, d, nout, _float32_of(x)
-    plan.no, plan.p = no, p = common["NO"], common["P"]
+    f32, no, p = _float32_of(x), common["NO"], common["P"]
     cfg = _config("pre_bwd", n, d)
-    plan.blocks = blocks = triton.cdiv(t, cfg["BT"])
+    blocks = triton.cdiv(t, cfg["BT"])
     dot, gx = _products(x)
     plan.gluon = t > 0 and _use_gluon("dx", fn, (x, d_y), no, dot == DOT_BF16X3 and gx == DOT_BF16X3_ROUNDED, d)
     cfg_dx = _config("dx_gluon" if plan.gluon else "dx", n, d)
@@ -386,9 +389,17 @@ def _plan_pre_backward(key: tuple, x: Any, fn_w: Any, base: Any, scale: Any, mix
     plan.pieces = plan.gluon or (dot == DOT_BF16X3 and gx in (DOT_BF16X6, DOT_BF16X3_ROUNDED)
                                  and bool(cfg_dx["PIECES"]))
     plan.states = int(cfg["STATES"]) if not head and iterations > 1 else 0  # kernel_bwd: 2 registers, 1 scratch
-    plan.scratch = [t, 2 * iterations - 1, p, p] if plan.states == 1 else None
     cfg_gates = _config("gates", n, d)
     plan.split = bool(cfg_gates["SPLIT"])
+    plan.new_g_x, plan.new_g_fn = maker(x, [t, n, d]), maker(x, [nout, n * d], f32)
+    plan.new_g_base, plan.new_g_scale = maker(x, [nout], f32), maker(x, [1 if head else 3], f32)
+    # fp32 scratch, in the order pre_backward unpacks it: the blocks' sums, the shares of g_fn, then per token dz,
+    # coef, pre, G (unless in bf16 pieces), the Sinkhorn states (STATES 1) and d_pre (SPLIT); an unused one is a
+    # 16-byte stand-in the kernels never touch
+    states = t * (2 * iterations - 1) * p * p if plan.states == 1 else 0
+    plan.scratch = Scratch(x, [max(blocks, 1) * 2 * no, max(plan.splits, 1) * no * n * d, t * nout, t, t * p,
+                               0 if plan.pieces else t * no, states, t * p if plan.split else 0], f32)
+    plan.new_g_pieces = maker(x, [3, t, no]) if plan.pieces and t > 0 else None
     plan.gates = plan.pre = plan.dx = None
     if t > 0:
         if plan.split:
@@ -416,27 +427,18 @@ def pre_backward(x: Any, fn_w: Any, base: Any, scale: Any, mix: Any, r: Any, d_p
     of its outputs (``d_post``/``d_comb`` fp32, ignored with ``head``; ``d_y`` [T, D] in x's dtype)."""
     key = (layout_key(x), layout_key(fn_w), layout_key(base), layout_key(scale), layout_key(mix), layout_key(r),
            None if head else layout_key(d_post), None if head else layout_key(d_comb), layout_key(d_y), iterations,
-           eps, head, _aligned(x) and _aligned(d_y), _tuning())
+           eps, head, device_key(x), _aligned(x) and _aligned(d_y), _tuning())
     plan = _BWD_PLANS.get(key) or _plan_pre_backward(key, x, fn_w, base, scale, mix, r, d_post, d_comb, d_y,
                                                       iterations, eps, head)
-    t, n, d, nout, no, p, f32 = plan.t, plan.n, plan.d, plan.nout, plan.no, plan.p, plan.f32
-    g_x = empty_like(x)
-    g_fn = empty_like(x, shape=[nout, n * d], dtype=f32)
-    g_base = empty_like(x, shape=[nout], dtype=f32)
-    g_scale = empty_like(x, shape=[1 if head else 3], dtype=f32)
-    sums = empty_like(x, shape=[max(plan.blocks, 1), 2, no], dtype=f32)
-    part = empty_like(x, shape=[max(plan.splits, 1), no, n * d], dtype=f32)
-    if t > 0:
-        dz = empty_like(x, shape=[t, nout], dtype=f32)
-        g = empty_like(x, shape=[3, t, no]) if plan.pieces else empty_like(x, shape=[t, no], dtype=f32)
-        coef = empty_like(x, shape=[t], dtype=f32)
-        pre = empty_like(x, shape=[t, p], dtype=f32)
-        scratch = dz if plan.scratch is None else empty_like(x, shape=plan.scratch, dtype=f32)
-        d_pre = empty_like(x, shape=[t, p], dtype=f32) if plan.split else dz
+    g_x, g_fn, g_base, g_scale = plan.new_g_x(), plan.new_g_fn(), plan.new_g_base(), plan.new_g_scale()
+    sums, part, dz, coef, pre, g, states, d_pre = plan.scratch()
+    if plan.pre is not None:  # some tokens
+        if plan.pieces:
+            g = plan.new_g_pieces()
         d_post, d_comb = (d_y, d_y) if head else (d_post, d_comb)
         if plan.split:
-            fire(_mhc_gates_bwd, plan.gates, x, d_y, d_pre, base, scale, mix, d_post, d_comb, dz, scratch)
-        fire(_mhc_pre_bwd, plan.pre, x, base, scale, mix, r, d_post, d_comb, d_y, dz, g, coef, pre, sums, scratch,
+            fire(_mhc_gates_bwd, plan.gates, x, d_y, d_pre, base, scale, mix, d_post, d_comb, dz, states)
+        fire(_mhc_pre_bwd, plan.pre, x, base, scale, mix, r, d_post, d_comb, d_y, dz, g, coef, pre, sums, states,
              d_pre)
         fire(_mhc_dx_gluon if plan.gluon else _mhc_dx_bwd, plan.dx, x, fn_w, g, pre, coef, d_y, g_x, part)
     fire(_mhc_params_bwd, plan.params, part, sums, g_fn, g_base, g_scale)
@@ -464,40 +466,43 @@ def _combine_bwd_config(x: Any, n: int, d: int) -> dict[str, int]:
 
 
 def _plan_combine(key: tuple, x: Any, f: Any, post: Any, comb: Any, backward: bool, d_out: Any) -> Plan:
+    """The combine's launch, its ``info`` the makers of its outputs (forward: X'; backward: g_x, g_f, g_post,
+    g_comb)."""
     fn = "mhc_combine (backward)" if backward else "mhc_combine"
     t, n, d = _check_combine(x, f, post, comb, fn)
-    shapes = ([t, n], [t, n, n], _float32_of(x))  # g_post, g_comb (the backward's fp32 outputs)
+    f32 = _float32_of(x)
+    makers = ((maker(x, [t, n, d]), maker(f, [t, d]), maker(x, [t, n], f32), maker(x, [t, n, n], f32)) if backward
+              else (maker(x, [t, n, d]),))
     if t == 0:
-        return _COMBINE_PLANS.add(key, Plan(None, info=shapes))
+        return _COMBINE_PLANS.add(key, Plan(None, info=makers))
     p = triton.next_power_of_2(n)
     if backward:
         _check(d_out, "d_out", [t, n, d], (dtype_name(x),), fn)
         cfg = _combine_bwd_config(x, n, d)
         meta = dict(N=n, P=p, D=d, DOWNCAST_X=dtype_name(x) != "float32", DOWNCAST_F=dtype_name(f) != "float32",
                     **_meta(cfg))
-        return _COMBINE_PLANS.add(key, Plan((triton.cdiv(t, cfg["BT"]),), (t,), meta, shapes))
+        return _COMBINE_PLANS.add(key, Plan((triton.cdiv(t, cfg["BT"]),), (t,), meta, makers))
     cfg = _config("combine_fwd", n, d)
     return _COMBINE_PLANS.add(key, Plan((triton.cdiv(t, cfg["BT"]), triton.cdiv(d, cfg["BD"])), (t,),
-                                        dict(N=n, P=p, D=d, DOWNCAST=dtype_name(x) != "float32", **cfg), shapes))
+                                        dict(N=n, P=p, D=d, DOWNCAST=dtype_name(x) != "float32", **cfg), makers))
 
 
 def combine_forward(x: Any, f: Any, post: Any, comb: Any) -> Any:
     """``X'_k = post_k f + sum_j comb[j, k] X_j`` for streams ``x`` [T, n, D], ``f`` [T, D]; in x's dtype."""
-    key = (layout_key(x), layout_key(f), layout_key(post), layout_key(comb), False, _tuning())
+    key = (layout_key(x), layout_key(f), layout_key(post), layout_key(comb), False, device_key(x), _tuning())
     plan = _COMBINE_PLANS.get(key) or _plan_combine(key, x, f, post, comb, False, None)
-    out = empty_like(x)
+    out = plan.info[0]()
     fire(_mhc_combine_fwd, plan, x, f, post, comb, out)
     return out
 
 
 def combine_backward(x: Any, f: Any, post: Any, comb: Any, d_out: Any) -> tuple[Any, Any, Any, Any]:
     """``(g_x, g_f, g_post, g_comb)`` of :func:`combine_forward` given ``d_out`` (like x)."""
-    key = (layout_key(x), layout_key(f), layout_key(post), layout_key(comb), layout_key(d_out), _tuning())
+    key = (layout_key(x), layout_key(f), layout_key(post), layout_key(comb), layout_key(d_out), device_key(x),
+           _tuning())
     plan = _COMBINE_PLANS.get(key) or _plan_combine(key, x, f, post, comb, True, d_out)
-    g_post_shape, g_comb_shape, f32 = plan.info
-    g_x, g_f = empty_like(x), empty_like(f)
-    g_post = empty_like(x, shape=g_post_shape, dtype=f32)
-    g_comb = empty_like(x, shape=g_comb_shape, dtype=f32)
+    new_g_x, new_g_f, new_g_post, new_g_comb = plan.info
+    g_x, g_f, g_post, g_comb = new_g_x(), new_g_f(), new_g_post(), new_g_comb()
     fire(_mhc_combine_bwd, plan, x, f, post, comb, d_out, g_x, g_f, g_post, g_comb)
     return g_x, g_f, g_post, g_comb
 
