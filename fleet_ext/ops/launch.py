@@ -40,10 +40,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from fleet_ext import capability
+from fleet_ext.ops.interpreter import fix_scalar_index
 
 LAUNCH_COUNTS: collections.Counter[str] = collections.Counter()
 ROUTE_COUNTS: collections.Counter[str] = collections.Counter()
@@ -195,29 +197,6 @@ def clear_plans() -> None:
         cache.clear()
 
 
-def _fix_interpreter_scalar_index() -> None:
-    """Let run-time scalars bound loops in the Triton interpreter.
-
-    Triton 3.6's interpreter holds a scalar as a shape-(1,) NumPy array and turns it into a ``range`` bound
-    with ``int(array)``, which NumPy 2.4 rejects ("only 0-dimensional arrays can be converted"); compiled
-    kernels are unaffected. Wrap its tensor patching so ``__index__`` reads the single element instead.
-    The interpreter applies its patching at every run, so wrapping it before the first interpreted launch
-    is enough; idempotent.
-    """
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-    if getattr(original, "_scalar_index_fixed", False):
-        return
-
-    def patched(tensor: Any, scope: Any) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._scalar_index_fixed = True
-    interpreter._patch_lang_tensor = patched
-
-
 def is_interpreted(kernel: Any) -> bool:
     """True when Triton built ``kernel`` for its interpreter (``TRITON_INTERPRET=1`` when it was decorated)."""
     return type(kernel).__name__ == "InterpretedFunction"
@@ -341,14 +320,14 @@ class TritonRuntime:
     """What a bound launch asks Triton for (``TRITON_RUNTIME``; tests replace it to fake a GPU): the active driver
     (``get_current_device()``, ``get_current_stream(device)``, as ``JITFunction.run`` asks it) and the launch hooks."""
 
-    _driver: Any = None  # Triton's active driver, looked up on first use (one per process)
+    _driver: Any = None  # Triton's active driver's two getters, looked up on first use (one driver per process)
     _knobs: Any = None  # triton.knobs.runtime (holds the launch hook chains)
 
     def driver(self) -> Any:
         if self._driver is None:
             from triton.runtime.driver import driver
 
-            TritonRuntime._driver = driver.active
+            TritonRuntime._driver = _Getters(driver.active)
         return self._driver
 
     def hooks(self) -> tuple[Any, Any]:
@@ -364,6 +343,22 @@ class TritonRuntime:
         if getattr(enter, "calls", enter) or getattr(leave, "calls", leave):
             return enter, leave
         return None, None
+
+
+class _Getters:
+    """The driver's current device and stream getters. Where the device getter is ``torch.cuda.current_device``
+    (Triton's CUDA driver), torch's C getter it wraps: the wrapper re-checks CUDA's lazy initialisation on every
+    call (0.47 µs on the H200's host, ``scripts/bench/probe_alloc.py``), and a bound launch follows a launch that
+    initialised CUDA."""
+
+    __slots__ = ("get_current_device", "get_current_stream")
+
+    def __init__(self, active: Any) -> None:
+        self.get_current_device, self.get_current_stream = active.get_current_device, active.get_current_stream
+        torch = sys.modules.get("torch")
+        c_getter = getattr(getattr(torch, "_C", None), "_cuda_getDevice", None)
+        if c_getter is not None and self.get_current_device is getattr(torch.cuda, "current_device", None):
+            self.get_current_device = c_getter
 
 
 TRITON_RUNTIME = TritonRuntime()
@@ -566,7 +561,7 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, bound: Bound | None =
     """
     route = route_of(kernel)
     if route == capability.ROUTE_INTERPRETER:
-        _fix_interpreter_scalar_index()
+        fix_scalar_index()
         kernel[grid](*[torch_view(a) if is_paddle(a) and _is_tensor(a) else a for a in args], **meta)
     elif route == capability.ROUTE_TORCH:
         _run(kernel, grid, args, meta, bound)

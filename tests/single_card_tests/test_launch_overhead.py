@@ -456,3 +456,24 @@ def test_report_host_us_per_call(stub):
         lines.append(f"{name:28} {BEFORE_US[name]:8.1f} {host_us_per_call(fn):8.1f}")
     print("\n" + "\n".join(lines))
     assert stub  # the stub, not the interpreter, took the launches
+
+
+def test_the_bound_launch_reads_the_device_through_torchs_c_getter(monkeypatch):
+    """Triton's CUDA driver asks ``torch.cuda.current_device`` (a Python wrapper around torch's C getter); the bound
+    launch takes the C getter itself, and any other driver's getters as they are."""
+
+    class Active:
+        get_current_device = staticmethod(torch.cuda.current_device)
+
+        @staticmethod
+        def get_current_stream(device):
+            return 0x5000 + device
+
+    def c_getter():
+        return 3
+
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", c_getter, raising=False)
+    getters = launch._Getters(Active())
+    assert getters.get_current_device is c_getter and getters.get_current_stream(1) == 0x5001
+    Active.get_current_device = staticmethod(lambda: 0)  # another driver's getter (a proxy, a fake): kept
+    assert launch._Getters(Active()).get_current_device() == 0
