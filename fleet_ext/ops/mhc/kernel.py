@@ -304,7 +304,7 @@ def _aligned(t: Any) -> bool:
 
 
 class _PrePlan:
-    """The pre forward's sizes and launches for one key."""
+    """The pre forward's launches and the makers of its outputs and scratch for one key."""
 
     __slots__ = ("splits", "gluon", "pieces", "proj", "pre", "new_mix", "new_r", "new_post", "new_comb", "new_y",
                  "new_part", "new_pieces")
@@ -360,7 +360,7 @@ def pre_forward(x: Any, fn_w: Any, base: Any, scale: Any, iterations: int, eps: 
 
 
 class _PreBwdPlan:
-    """The pre backward's sizes, buffer shapes and launches for one key."""
+    """The pre backward's launches and the makers of its gradients and scratch for one key."""
 
     __slots__ = ("splits", "states", "split", "pieces", "gluon", "gates", "pre", "dx", "params", "new_g_x", "new_g_fn",
                  "new_g_base", "new_g_scale", "scratch", "new_g_pieces")
