@@ -394,11 +394,11 @@ def _plan_pre_backward(key: tuple, x: Any, fn_w: Any, base: Any, scale: Any, mix
     plan.new_g_x, plan.new_g_fn = maker(x, [t, n, d]), maker(x, [nout, n * d], f32)
     plan.new_g_base, plan.new_g_scale = maker(x, [nout], f32), maker(x, [1 if head else 3], f32)
     # fp32 scratch, in the order pre_backward unpacks it: the blocks' sums, the shares of g_fn, then per token dz,
-    # coef, pre, G (unless in bf16 pieces), the Sinkhorn states (STATES 1) and d_pre (SPLIT); an unused one is a
-    # 16-byte stand-in the kernels never touch
+    # coef, pre, d_pre (SPLIT), G (unless in bf16 pieces) and the Sinkhorn states (STATES 1); an unused one is a
+    # 16-byte stand-in the kernels never touch, last so that the default's buffers keep the larger alignments
     states = t * (2 * iterations - 1) * p * p if plan.states == 1 else 0
     plan.scratch = Scratch(x, [max(blocks, 1) * 2 * no, max(plan.splits, 1) * no * n * d, t * nout, t, t * p,
-                               0 if plan.pieces else t * no, states, t * p if plan.split else 0], f32)
+                               t * p if plan.split else 0, 0 if plan.pieces else t * no, states], f32)
     plan.new_g_pieces = maker(x, [3, t, no]) if plan.pieces and t > 0 else None
     plan.gates = plan.pre = plan.dx = None
     if t > 0:
@@ -431,7 +431,7 @@ def pre_backward(x: Any, fn_w: Any, base: Any, scale: Any, mix: Any, r: Any, d_p
     plan = _BWD_PLANS.get(key) or _plan_pre_backward(key, x, fn_w, base, scale, mix, r, d_post, d_comb, d_y,
                                                       iterations, eps, head)
     g_x, g_fn, g_base, g_scale = plan.new_g_x(), plan.new_g_fn(), plan.new_g_base(), plan.new_g_scale()
-    sums, part, dz, coef, pre, g, states, d_pre = plan.scratch()
+    sums, part, dz, coef, pre, d_pre, g, states = plan.scratch()
     if plan.pre is not None:  # some tokens
         if plan.pieces:
             g = plan.new_g_pieces()
