@@ -22,7 +22,7 @@ from typing import Any
 from fleet_ext.ops.launch import is_paddle
 
 ALIGN = 16  # bytes: each carved buffer starts 16-byte aligned, as an allocation does (Triton specialises on it)
-_ITEM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int32": 4, "int64": 8, "uint8": 1}
+_ITEM_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "uint8": 1}
 
 
 def device_key(tensor: Any) -> Any:

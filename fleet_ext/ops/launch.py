@@ -357,7 +357,8 @@ class _Getters:
         self.get_current_device, self.get_current_stream = active.get_current_device, active.get_current_stream
         torch = sys.modules.get("torch")
         c_getter = getattr(getattr(torch, "_C", None), "_cuda_getDevice", None)
-        if c_getter is not None and self.get_current_device is getattr(torch.cuda, "current_device", None):
+        wrapper = getattr(getattr(torch, "cuda", None), "current_device", None)
+        if c_getter is not None and self.get_current_device is wrapper:
             self.get_current_device = c_getter
 
 
