@@ -20,6 +20,7 @@ setup(
     extras_require={
         "test": [
             "pytest>=8",
+            "pytest-xdist>=3",
             "torch==2.13.0",
             "triton==3.6.0",
             "transformers==5.23.0",

@@ -22,6 +22,6 @@ def test_readme_opens_with_the_two_commands():
     assert block == [
         "pip install -e . && python -m paddle.distributed.launch --nproc_per_node 2 --host 127.0.0.1 "
         "scripts/pretrain.py --config configs/dsv4_tiny_cpu.yaml",
-        'pip install -e ".[test]" && python -m pytest tests -q',
+        'pip install -e ".[test]" && python -m pytest tests -q -n 2 --dist loadfile',
     ]
     assert block[1] in (README.parent / ".ci" / "run").read_text(encoding="utf-8")
