@@ -26,8 +26,8 @@ def test_torch_maker_gives_new_contiguous_tensors(shape, dtype):
     assert a.stride() == torch.empty(shape).stride()  # new_empty's layout, zero sizes included
     if a.numel():
         assert a.data_ptr() != b.data_ptr()  # a new allocation per call, not the template
-        a.fill_(1.0)
-        assert b.numel() == a.numel()
+        b.fill_(0.0), a.fill_(1.0)
+        assert bool((b == 0).all()) and bool((a == 1).all())  # no shared storage (the template expands one value)
 
 
 def test_maker_keeps_no_reference_to_its_model_tensor():

@@ -56,7 +56,7 @@ import triton
 
 from fleet_ext import capability
 from fleet_ext.ops.buffers import Scratch, device_key, maker
-from fleet_ext.ops.launch import Plan, dtype_name, fire, is_paddle, layout_key, plan_cache, shape_of
+from fleet_ext.ops.launch import Plan, dtype_name, empty_like, fire, is_paddle, layout_key, plan_cache, shape_of
 from fleet_ext.ops.mhc.kernel_bwd import _mhc_combine_bwd, _mhc_dx_bwd, _mhc_gates_bwd, _mhc_params_bwd, _mhc_pre_bwd
 from fleet_ext.ops.mhc.kernel_dx_gluon import _mhc_dx_gluon
 from fleet_ext.ops.mhc.kernel_fwd import _mhc_combine_fwd, _mhc_fn_pieces, _mhc_pre_fwd, _mhc_proj_fwd
@@ -280,7 +280,7 @@ def fn_pieces(fn_w: Any, no: int, like: Any) -> Any:
     """``fn`` [NOUT, K] fp32 as its three bf16 pieces [3, no, K] (hi, mid, lo; rows past NOUT zero), in the dtype of
     ``like`` (the streams): the Gluon projection's operand, made once per call."""
     nout, k = shape_of(fn_w)
-    pieces = maker(like, [3, no, k])()
+    pieces = empty_like(like, shape=[3, no, k])
     fire(_mhc_fn_pieces, _fn_pieces_plan(nout, k, no), fn_w, pieces)
     return pieces
 
@@ -306,8 +306,8 @@ def _aligned(t: Any) -> bool:
 class _PrePlan:
     """The pre forward's launches and the makers of its outputs and scratch for one key."""
 
-    __slots__ = ("splits", "gluon", "pieces", "proj", "pre", "new_mix", "new_r", "new_post", "new_comb", "new_y",
-                 "new_part", "new_pieces")
+    __slots__ = ("splits", "gluon", "fn_pieces", "proj", "pre", "new_mix", "new_r", "new_post", "new_comb", "new_y",
+                 "new_part", "new_fn_pieces")
 
 
 def _plan_pre_forward(key: tuple, x: Any, fn_w: Any, base: Any, scale: Any, iterations: int, eps: float,
@@ -324,13 +324,13 @@ def _plan_pre_forward(key: tuple, x: Any, fn_w: Any, base: Any, scale: Any, iter
     per, plan.splits = _split(n * d, cfg["SPLITS"], cfg["BK"])
     grid = (triton.cdiv(t, cfg["BT"]), plan.splits) if t > 0 else None
     meta = dict(N=n, D=d, NOUT=nout, NO=no, **_meta(cfg), **({} if plan.gluon else {"DOT": dot}))
-    plan.pieces = _fn_pieces_plan(nout, n * d, no) if plan.gluon else None
+    plan.fn_pieces = _fn_pieces_plan(nout, n * d, no) if plan.gluon else None
     plan.proj = Plan(grid, (t, per), meta)
     plan.new_mix, plan.new_r, plan.new_y = maker(x, [t, nout], f32), maker(x, [t], f32), maker(x, [t, d])
     plan.new_post = None if head else maker(x, [t, n], f32)
     plan.new_comb = None if head else maker(x, [t, n, n], f32)
     plan.new_part = maker(x, [plan.splits, t, no], f32)
-    plan.new_pieces = maker(x, [3, no, n * d]) if plan.gluon else None
+    plan.new_fn_pieces = maker(x, [3, no, n * d]) if plan.gluon else None
     cfg = _config("pre_fwd", n, d)
     plan.pre = Plan((triton.cdiv(t, cfg["BT"]),) if t > 0 else None, (t, plan.splits, float(eps), float(norm_eps)),
                     dict(**common, DOWNCAST=dtype_name(x) != "float32", **_meta(cfg)))
@@ -350,8 +350,8 @@ def pre_forward(x: Any, fn_w: Any, base: Any, scale: Any, iterations: int, eps: 
         return post, comb, y, mix, r
     part = plan.new_part()
     if plan.gluon:  # fn's bf16 pieces once, then the projection on warp-group MMAs
-        pieces = plan.new_pieces()
-        fire(_mhc_fn_pieces, plan.pieces, fn_w, pieces)
+        pieces = plan.new_fn_pieces()
+        fire(_mhc_fn_pieces, plan.fn_pieces, fn_w, pieces)
         fire(_mhc_proj_gluon, plan.proj, x, pieces, part)
     else:
         fire(_mhc_proj_fwd, plan.proj, x, fn_w, part)
