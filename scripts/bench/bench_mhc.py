@@ -291,6 +291,7 @@ def _kernel_bytes() -> dict[str, float]:
             "_mhc_pre_bwd": T * (4 * (3 * nout + 2 + 2 * N) + 2 * 3 * no) if split else xb + yb,
             "_mhc_gates_bwd": xb + yb,
             "_mhc_dx_bwd": 2 * xb + yb + _dfn_part_bytes() / 2, "_mhc_dx_gluon": 2 * xb + yb + _dfn_part_bytes() / 2,
+            "_mhc_dx_streams": 2 * xb + yb + _dfn_part_bytes() / 2,
             "_mhc_params_bwd": _dfn_part_bytes() / 2,
             "_mhc_combine_fwd": 2 * xb + yb, "_mhc_combine_bwd": 3 * xb + 2 * yb}
 

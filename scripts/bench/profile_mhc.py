@@ -23,7 +23,8 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # kind: (kernel profiled, kernel.GLUON, kernel.TUNE)
-KERNELS = {"gluon": ("_mhc_dx_gluon", "gluon", {}), "triton": ("_mhc_dx_bwd", "triton", {}),
+KERNELS = {"gluon": ("_mhc_dx_streams", "gluon", {}), "gluon1": ("_mhc_dx_gluon", "gluon", {"dx_gluon": {"SPP": 1}}),
+           "triton": ("_mhc_dx_bwd", "triton", {}),
            "gates": ("_mhc_gates_bwd", "auto", {}), "proj": ("_mhc_proj_gluon", "gluon", {})}
 STALLS = ("long_scoreboard", "short_scoreboard", "barrier", "wait", "math_pipe_throttle", "mio_throttle",
           "lg_throttle", "membar", "dispatch_stall", "not_selected", "selected", "no_instruction", "sleeping",

@@ -58,8 +58,8 @@ def _ops():
     return postmix_bitwise, postmix, remap, q_norm, prologue, rope, sink, sparse, mhc
 
 
-MHC_PRE = ["_mhc_fn_pieces", "_mhc_proj_gluon", "_mhc_pre_fwd", "_mhc_gates_bwd", "_mhc_pre_bwd", "_mhc_dx_gluon",
-           "_mhc_params_bwd"]
+MHC_PRE = ["_mhc_fn_pieces", "_mhc_proj_gluon", "_mhc_pre_fwd", "_mhc_gates_bwd", "_mhc_pre_bwd", "_mhc_dx_streams",
+           "_mhc_params_bwd"]  # kernel.GPU_CONFIG's Hopper defaults
 
 
 def _mhc_case(mhc, combine: bool):

@@ -103,8 +103,11 @@ def pre_fwd_kernels(kernel, x, head=False) -> tuple[str, ...]:
 
 def pre_bwd_kernels(kernel, x, head=False) -> tuple[str, ...]:
     """The pre backward's launches: ``_mhc_gates_bwd`` where ``gates`` splits the first pass off, then three: the
-    streams' gradient in Gluon or in Triton (``_gluon_runs``)."""
-    dx = "_mhc_dx_gluon" if _gluon_runs(kernel, x, "dx", head) else "_mhc_dx_bwd"
+    streams' gradient in Gluon (several streams per program with ``SPP``) or in Triton (``_gluon_runs``)."""
+    dx = "_mhc_dx_bwd"
+    if _gluon_runs(kernel, x, "dx", head):
+        spp = {**kernel.GPU_CONFIG["dx_gluon"], **kernel.TUNE.get("dx_gluon", {})}.get("SPP", 1)
+        dx = "_mhc_dx_streams" if spp > 1 else "_mhc_dx_gluon"
     gate = ("_mhc_gates_bwd",) if kernel._config("gates", x.shape[1], x.shape[2])["SPLIT"] else ()
     return (*gate, "_mhc_pre_bwd", dx, "_mhc_params_bwd")
 
@@ -288,6 +291,31 @@ def test_gluon_kernels_match_triton_and_float64(kernel, monkeypatch, tokens, d):
         assert not agree(planted), f"the comparison misses a 3 % error in output {i}"
 
 
+@pytest.mark.parametrize("tokens, d", [(256, 4096), (77, 64)])
+@pytest.mark.parametrize("spp", [2, 4])
+def test_streams_per_program_are_byte_identical(kernel, monkeypatch, tokens, d, spp):
+    """The streams' gradient with two or four streams per program (``kernel_dx_streams.py``, ``dx_gluon`` ``SPP``)
+    computes every element as the one-stream kernel does: ``g_x`` and ``g_fn`` byte-equal, with launch counters. The
+    control: the same comparison against another split of the tokens (``SPLITS`` 4: ``g_fn``'s sums in another
+    order) does see a difference."""
+    a = make(tokens, 4, d, torch.bfloat16, seed=3 + tokens)
+    _, _, _, mix, r = kernel.pre_forward(a["x"], a["fn"], a["base"], a["scale"], ITERS, EPS, NORM_EPS)
+
+    def backward(tune: dict, name: str) -> tuple:
+        monkeypatch.setattr(kernel, "TUNE", {"dx_gluon": tune})
+        with expect_launches(name, exactly=1):
+            return kernel.pre_backward(a["x"], a["fn"], a["base"], a["scale"], mix, r, a["g_post"], a["g_comb"],
+                                       a["g_y"], ITERS, EPS)[:2]
+
+    want = backward({"SPP": 1}, "_mhc_dx_gluon")
+    got = backward({"SPP": spp}, "_mhc_dx_streams")
+    for what, g, w in zip(("g_x", "g_fn"), got, want):
+        assert_bitwise(g, w, f"{what}, {spp} streams per program against one")
+    if tokens > 32 * 4:  # more than one token tile per split at SPLITS 4: the control can differ
+        other = backward({"SPP": spp, "SPLITS": 4}, "_mhc_dx_streams")
+        assert not torch.equal(other[1], want[1]), "the byte comparison cannot see another summation order"
+
+
 def test_repeat_launches_are_bound_gluon_kernels_included(kernel):
     """Each launch plan of the pre op and the combine (``kernel._FWD_PLANS``, ...) goes through Triton's
     ``kernel[grid]`` once (it compiles) and straight to the compiled kernel after that (``launch.Bound``), the Gluon
@@ -303,7 +331,8 @@ def test_repeat_launches_are_bound_gluon_kernels_included(kernel):
     plans = [p for cache in (kernel._FWD_PLANS, kernel._BWD_PLANS, kernel._COMBINE_PLANS) for entry in cache.values()
              for p in ([entry] if isinstance(entry, launch.Plan) else
                        [getattr(entry, s) for s in entry.__slots__ if isinstance(getattr(entry, s), launch.Plan)])]
-    names = {launch._kernel_name(k) for k in (kernel._mhc_proj_gluon, kernel._mhc_dx_gluon)}
+    names = {"_mhc_proj_gluon", *pre_bwd_kernels(kernel, a["x"])} & {"_mhc_proj_gluon", "_mhc_dx_gluon",
+                                                                      "_mhc_dx_streams"}
     bound = {p.bound.name for p in plans if p.grid is not None and p.bound.misses == 1 and p.bound.compiled}
     assert len(plans) >= 8 and names <= bound, (sorted(bound), [(p.bound.name, p.bound.misses) for p in plans])
     assert all(p.bound.misses == 1 for p in plans if p.grid is not None)

@@ -1,7 +1,7 @@
 """The Gluon kernels compiled for sm90 on the CPU, without a GPU: the warp-specialised sparse-attention forward
 (``sparse_attn/kernel_fwd_ws.py``) and backward dq step (``kernel_bwd_dq_ws.py``), the grouped gate+up GEMM
 and expert weight gradient (``moe_experts/kernel_gate_up_ws.py``, ``kernel_d_weight_ws.py``) and the mHC
-projection and streams' gradient (``mhc/kernel_proj_gluon.py``, ``kernel_dx_gluon.py``).
+projection and streams' gradient (``mhc/kernel_proj_gluon.py``, ``kernel_dx_streams.py`` / ``kernel_dx_gluon.py``).
 
 They run only on Hopper (their results are tested on the H200 by ``tests/gpu/test_sparse_attn_gpu.py``,
 ``tests/gpu/test_moe_experts_gpu.py`` and ``tests/gpu/test_mhc_gpu.py``), but two properties that decide their
@@ -46,6 +46,7 @@ if __name__ == "__main__":  # the compiling subprocess: kernels built for sm90, 
 
 from fleet_ext.ops.mhc import kernel as mhc_kernel  # noqa: E402
 from fleet_ext.ops.mhc.kernel_dx_gluon import _mhc_dx_gluon  # noqa: E402
+from fleet_ext.ops.mhc.kernel_dx_streams import _mhc_dx_streams  # noqa: E402
 from fleet_ext.ops.mhc.kernel_proj_gluon import _mhc_proj_gluon  # noqa: E402
 from fleet_ext.ops.moe_experts import kernel as moe_kernel  # noqa: E402
 from fleet_ext.ops.moe_experts import kernel_bwd as moe_kernel_bwd  # noqa: E402
@@ -143,13 +144,15 @@ def compile_mhc_proj():
 
 def compile_mhc_dx():
     """The mHC streams' gradient at ``kernel.GPU_CONFIG["dx_gluon"]``, V4-Flash's widths (4 streams of 4096, bf16)."""
+    spp = mhc_kernel.GPU_CONFIG["dx_gluon"]["SPP"]  # streams per program: kernel_dx_streams for 2 or 4
     cfg = {k: v for k, v in mhc_kernel.GPU_CONFIG["dx_gluon"].items() if k not in mhc_kernel.HOST_KEYS}
-    options = {"num_warps": cfg.pop("num_warps")}
+    options = {k: cfg.pop(k) for k in ("num_warps", "maxnreg") if k in cfg}
     pointers = {"x_ptr": "*bf16", "fn_ptr": "*fp32", "g_ptr": "*bf16", "pre_ptr": "*fp32", "coef_ptr": "*fp32",
                 "dy_ptr": "*bf16", "dx_ptr": "*bf16", "part_ptr": "*fp32"}
-    constexprs = {"N": 4, "P": 4, "D": 4096, "NOUT": 24, "NO": 32, **cfg}
+    constexprs = {"N": 4, "P": 4, "D": 4096, "NOUT": 24, "NO": 32, **cfg, **({"SPP": spp} if spp > 1 else {})}
     signature = {**pointers, "T": "i32", "TS": "i32", **{k: "constexpr" for k in constexprs}}
-    return compile_sm90(_mhc_dx_gluon, signature, constexprs, (*pointers, "T", "TS"), **options)
+    fn = _mhc_dx_streams if spp > 1 else _mhc_dx_gluon
+    return compile_sm90(fn, signature, constexprs, (*pointers, "T", "TS"), **options)
 
 
 def compiled_in_subprocess(case: str, tmp_path) -> tuple[dict, str]:
@@ -203,8 +206,8 @@ def test_dq_defaults_compile_without_wgmma_serialisation(mode, tail, tmp_path):
 
 @pytest.mark.parametrize("case", ["mhc_proj", "mhc_dx"])
 def test_mhc_kernels_compile_without_wgmma_serialisation_or_spills(case, tmp_path):
-    """The mHC projection and streams' gradient (``mhc/kernel_proj_gluon.py``, ``kernel_dx_gluon.py``): their MMAs
-    all waited in the step or tile that issues them."""
+    """The mHC projection and streams' gradient (``mhc/kernel_proj_gluon.py``, ``kernel_dx_streams.py`` at the
+    default ``SPP``): their MMAs all waited in the step or tile that issues them."""
     check_compiled(case, tmp_path, max_spill=0, min_markers=2)
 
 

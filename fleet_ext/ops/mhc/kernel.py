@@ -30,7 +30,8 @@ in V4-Flash); everything else per token is tiny (24 mixing logits, an n x n matr
   read of X, the output gradient and f, one write of ``g_x`` and ``g_f``; ``g_post`` and ``g_comb`` (sums over
   D) are summed inside each thread across the channel tiles and across threads once at the end, in order.
 - *On Hopper* (``GLUON``, bf16 streams, n = 4) the projection and the streams' gradient run as Gluon kernels
-  (``kernel_proj_gluon.py`` after ``_mhc_fn_pieces`` has split ``fn`` once, ``kernel_dx_gluon.py``): the same
+  (``kernel_proj_gluon.py`` after ``_mhc_fn_pieces`` has split ``fn`` once; ``kernel_dx_streams.py``, two streams'
+  channel tile per program, or ``kernel_dx_gluon.py``, one, as ``GPU_CONFIG["dx_gluon"]["SPP"]`` says): the same
   boundaries and products as warp-group MMAs, their operands staged by ``cp.async``, each tile's A operand read
   from shared memory once into registers (the reasons and the H200 timings are in those modules).
 
@@ -59,13 +60,14 @@ from fleet_ext.ops.buffers import Scratch, device_key, maker
 from fleet_ext.ops.launch import Plan, dtype_name, empty_like, fire, is_paddle, layout_key, plan_cache, shape_of
 from fleet_ext.ops.mhc.kernel_bwd import _mhc_combine_bwd, _mhc_dx_bwd, _mhc_gates_bwd, _mhc_params_bwd, _mhc_pre_bwd
 from fleet_ext.ops.mhc.kernel_dx_gluon import _mhc_dx_gluon
+from fleet_ext.ops.mhc.kernel_dx_streams import _mhc_dx_streams
 from fleet_ext.ops.mhc.kernel_fwd import _mhc_combine_fwd, _mhc_fn_pieces, _mhc_pre_fwd, _mhc_proj_fwd
 from fleet_ext.ops.mhc.kernel_proj_gluon import _mhc_proj_gluon
 from fleet_ext.ops.split_dot import DOT_BF16X3, DOT_BF16X3_ROUNDED, DOT_BF16X6, DOT_IEEE, DOT_TF32X3
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 KERNELS = ("_mhc_proj_fwd", "_mhc_fn_pieces", "_mhc_proj_gluon", "_mhc_pre_fwd", "_mhc_combine_fwd", "_mhc_gates_bwd",
-           "_mhc_pre_bwd", "_mhc_dx_bwd", "_mhc_dx_gluon", "_mhc_params_bwd", "_mhc_combine_bwd")
+           "_mhc_pre_bwd", "_mhc_dx_bwd", "_mhc_dx_gluon", "_mhc_dx_streams", "_mhc_params_bwd", "_mhc_combine_bwd")
 
 # GPU launch geometry per kernel (tokens per program BT, channel tiles BK / BD, the number of splits of K or of
 # the tokens SPLITS, warps, software-pipelining stages; STATES / PIECES: kernel_bwd) and the product modes; TUNE
@@ -86,7 +88,10 @@ KERNELS = ("_mhc_proj_fwd", "_mhc_fn_pieces", "_mhc_proj_gluon", "_mhc_pre_fwd",
 # 162 -> 150 us (ncu); the Sinkhorn backward's tiles within a warp (kernel_bwd._logit_grads) 210 -> 189 us (ncu);
 # one token's Sinkhorn per thread in the gates grid (SINKHORN_BT 256, 80 registers) 210 -> 228 us, the pass on 4
 # warps (BT 1 or 2) no gain; run 13: the Sinkhorn states in registers (``pre_bwd`` STATES 2, gates maxnreg 80)
-# 187.5 -> 168.8 us of the gates kernel, the pre backward op 555-584 -> 540-569 us (STATES 1; 0: 596-609). Combine
+# 187.5 -> 168.8 us of the gates kernel, the pre backward op 555-584 -> 540-569 us (STATES 1; 0: 596-609); run 16:
+# the streams' gradient two streams per program (``kernel_dx_streams.py``, SPP 2 at 168 registers: g_y and G's
+# pieces read from L2 half as often), the pre backward op 542.0 / 583.5 / 561.3 -> 517.2 / 528.5 / 532.1 us in three
+# paired rounds (4 streams on 2 stages 562-563, 2 streams on 2 stages 562-563, with 16 splits 537-548). Combine
 # backward: 449 us at one token and 4 warps per program, its variants 452-497; its BD is a multiple of
 # 32 x num_warps x the 16-byte vector, which its layout needs (``kernel_bwd._mhc_combine_bwd``).
 GPU_CONFIG: dict[str, dict[str, int]] = {
@@ -100,7 +105,9 @@ GPU_CONFIG: dict[str, dict[str, int]] = {
               "INTERLEAVE": 0, "maxnreg": 80},
     "dx": {"BT": 32, "BD": 64, "SPLITS": 8, "num_warps": 4, "num_stages": 3, "maxnreg": 128, "PIECES": 1,
            "PREFETCH": 1},
-    "dx_gluon": {"BT": 32, "BD": 64, "SPLITS": 8, "STAGES": 3, "num_warps": 4},
+    # SPP: streams per program (1: kernel_dx_gluon; 2 or 4: kernel_dx_streams, whose SPP 2 takes 210 registers
+    # unbounded and 168 without spilling: two programs per SM either way, bounded by shared memory)
+    "dx_gluon": {"BT": 32, "BD": 64, "SPLITS": 8, "STAGES": 3, "num_warps": 4, "SPP": 2, "maxnreg": 168},
     "params": {"BLOCK": 1024, "BB": 64, "num_warps": 4},
     "combine_fwd": {"BT": 4, "BD": 512, "num_warps": 8},
     "combine_bwd": {"BT": 1, "VECS": 1, "num_warps": 4},
@@ -121,8 +128,10 @@ GEOMETRY_VARIANTS: tuple[dict[str, dict[str, int]], ...] = (
                           {"maxnreg": 168}, {"maxnreg": 168, "PREFETCH": 0},
                           {"BT": 64, "maxnreg": 168},
                           {})),  # {}: the Triton kernel at its defaults (a "dx" entry selects it)
-    *({"dx_gluon": c} for c in ({"STAGES": 2}, {"STAGES": 4}, {"SPLITS": 4}, {"SPLITS": 16},
-                                {"BD": 128, "num_warps": 8}, {"BD": 128, "num_warps": 8, "STAGES": 2})),
+    # one stream per program (``kernel_dx_gluon.py``, run 8-15's default) and its best variant; four streams (255
+    # registers, 56 bytes of spill in the sm90 compile); the default's register cap lifted (210), 2 stages, 16 splits
+    *({"dx_gluon": c} for c in ({"SPP": 1}, {"SPP": 1, "SPLITS": 4}, {"SPP": 4, "STAGES": 2}, {"maxnreg": 232},
+                                {"STAGES": 2}, {"SPLITS": 16})),
     # pre_bwd: with gates SPLIT (the default) only its tail (the pre gate's part, G, coef, the blocks' sums)
     *({"pre_bwd": c} for c in ({"STATES": 1}, {"STATES": 0}, {"BT": 32}, {"BT": 64, "num_warps": 4})),
     # gates: the first pass and the Sinkhorn backward in one grid (``kernel_bwd._mhc_gates_bwd``); SPLIT 0: both in
@@ -144,7 +153,7 @@ TUNE: dict[str, Any] = {}  # e.g. {"proj": {"SPLITS": 4}, "dot": "tf32x3"}
 # ``TUNE["proj"]`` / ``TUNE["dx"]`` entry (a geometry of the Triton kernel, the sweep's) selects that Triton kernel.
 GLUON = "auto"
 # launch-geometry keys the host uses (not kernel meta-parameters)
-HOST_KEYS = ("SPLITS", "VECS", "PIECES", "SPLIT", "INTERLEAVE")
+HOST_KEYS = ("SPLITS", "VECS", "PIECES", "SPLIT", "INTERLEAVE", "SPP")
 COMPILER_KEYS = ("num_warps", "num_stages", "maxnreg")  # what the interpreter has no use for
 
 
@@ -363,7 +372,7 @@ class _PreBwdPlan:
     """The pre backward's launches and the makers of its gradients and scratch for one key."""
 
     __slots__ = ("splits", "states", "split", "pieces", "gluon", "gates", "pre", "dx", "params", "new_g_x", "new_g_fn",
-                 "new_g_base", "new_g_scale", "scratch", "new_g_pieces")
+                 "new_g_base", "new_g_scale", "scratch", "new_g_pieces", "dx_kernel")
 
 
 def _plan_pre_backward(key: tuple, x: Any, fn_w: Any, base: Any, scale: Any, mix: Any, r: Any, d_post: Any,
@@ -414,7 +423,11 @@ def _plan_pre_backward(key: tuple, x: Any, fn_w: Any, base: Any, scale: Any, mix
         meta = dict(N=n, P=p, D=d, NOUT=nout, NO=no, **_meta(cfg_dx))
         if not plan.gluon:
             meta.update(GX=gx, DOT=dot, DOWNCAST=dtype_name(x) != "float32", PIECES=plan.pieces)
-        plan.dx = Plan((n * triton.cdiv(d, cfg_dx["BD"]), plan.splits), (t, per), meta)
+        spp = int(cfg_dx.get("SPP", 1)) if plan.gluon else 1  # streams per program: 2 or 4 take kernel_dx_streams
+        plan.dx_kernel = _mhc_dx_streams if spp > 1 else _mhc_dx_gluon if plan.gluon else _mhc_dx_bwd
+        if spp > 1:
+            meta["SPP"] = spp
+        plan.dx = Plan((n // spp * triton.cdiv(d, cfg_dx["BD"]), plan.splits), (t, per), meta)
     cfg = _config("params", n, d)
     plan.params = Plan((triton.cdiv(nout * n * d, cfg["BLOCK"]) + 1,), (plan.splits, blocks if t > 0 else 0),
                        dict(N=n, D=d, NOUT=nout, NO=no, HEAD=bool(head), GROUPS=1 if head else 3, **_meta(cfg)))
@@ -440,7 +453,7 @@ def pre_backward(x: Any, fn_w: Any, base: Any, scale: Any, mix: Any, r: Any, d_p
             fire(_mhc_gates_bwd, plan.gates, x, d_y, d_pre, base, scale, mix, d_post, d_comb, dz, states)
         fire(_mhc_pre_bwd, plan.pre, x, base, scale, mix, r, d_post, d_comb, d_y, dz, g, coef, pre, sums, states,
              d_pre)
-        fire(_mhc_dx_gluon if plan.gluon else _mhc_dx_bwd, plan.dx, x, fn_w, g, pre, coef, d_y, g_x, part)
+        fire(plan.dx_kernel, plan.dx, x, fn_w, g, pre, coef, d_y, g_x, part)
     fire(_mhc_params_bwd, plan.params, part, sums, g_fn, g_base, g_scale)
     return g_x, g_fn, g_base, g_scale
 

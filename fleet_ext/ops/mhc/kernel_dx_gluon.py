@@ -26,7 +26,8 @@ Products as the Triton kernel's with bf16 streams and ``G``'s pieces (``PIECES``
 bf16 products of both operands' pieces, smallest first, in a fresh accumulator (``DOT_BF16X3_ROUNDED``); ``x^T G``
 the three products with ``G``'s pieces, smallest first, fresh per tile and added to the running sum in fp32.
 Other MMA instruction shapes than the Triton kernel's: equal to rounding, not bitwise; deterministic (one order).
-Device code only, sm90; ``kernel.pre_backward`` chooses it (``kernel.GLUON``).
+Device code only, sm90; ``kernel.pre_backward`` chooses it (``kernel.GLUON``) under ``GPU_CONFIG["dx_gluon"]["SPP"]``
+1; the default since run 16 is ``kernel_dx_streams.py``, the same maths on two streams' channel tile per program.
 """
 
 from __future__ import annotations
