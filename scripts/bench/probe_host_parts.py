@@ -7,32 +7,20 @@ Each part is called 20,000 times in a row, median of five such runs (issue 16 §
 from __future__ import annotations
 
 import os
-import statistics
 import sys
-import time
 
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import bench_launch_overhead as b  # noqa: E402
+from probe_alloc import per_call  # noqa: E402
 
 from fleet_ext import capability  # noqa: E402
 from fleet_ext.ops import launch as L  # noqa: E402
 from fleet_ext.ops.buffers import device_key  # noqa: E402
 from fleet_ext.ops.mhc import kernel as mhc  # noqa: E402
 from fleet_ext.ops.mhc.kernel_fwd import _mhc_combine_fwd  # noqa: E402
-
-
-def us(fn, n=20000):
-    runs = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        runs.append((time.perf_counter() - t0) / n * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(runs)
 
 
 def main():
@@ -78,7 +66,7 @@ def main():
     }
     print(f"{'part':40} {'us':>7}")
     for name, fn in parts.items():
-        print(f"{name:40} {us(fn):7.2f}", flush=True)
+        print(f"{name:40} {per_call(fn):7.2f}", flush=True)
 
 
 if __name__ == "__main__":

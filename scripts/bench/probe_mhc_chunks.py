@@ -23,31 +23,6 @@ from bench_fusions import copy_bandwidth_gbs  # noqa: E402
 from fleet_ext.ops.mhc import kernel  # noqa: E402
 
 
-def graph_ms(fn, reps=20):
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for _ in range(reps):
-            g.replay()
-        e1.record()
-        torch.cuda.synchronize()
-        times.append(e0.elapsed_time(e1) / reps)
-    return sorted(times)[2]
-
-
 def main():
     a = b._inputs()
     x, fn, base, scale = a["x"], a["fn"], a["base"], a["scale"]
@@ -72,7 +47,8 @@ def main():
         same_gx = torch.equal(torch.cat([o[0] for o in bo]), full_bwd[0])
         gfn = sum(o[1] for o in bo)
         gfn_err = ((gfn - full_bwd[1]).abs().max() / full_bwd[1].abs().max()).item()
-        row = {"chunk": chunk, "fwd_graph_us": 1e3 * graph_ms(fwd), "bwd_graph_us": 1e3 * graph_ms(bwd),
+        row = {"chunk": chunk, "fwd_graph_us": 1e3 * triton.testing.do_bench_cudagraph(fwd),
+               "bwd_graph_us": 1e3 * triton.testing.do_bench_cudagraph(bwd),
                "fwd_bench_us": 1e3 * triton.testing.do_bench(fwd, return_mode="median"),
                "bwd_bench_us": 1e3 * triton.testing.do_bench(bwd, return_mode="median"),
                "same_fwd": same_fwd, "same_gx": same_gx, "gfn_rel": gfn_err}

@@ -41,6 +41,35 @@ from fleet_ext.ops.mhc.kernel_proj_gluon import _piece_rings
 
 
 @gluon.jit
+def _issue_g_pieces(g_ptr, rings, slot, t0, t_end, T, NO: gl.constexpr, BT: gl.constexpr, g_l: gl.constexpr):
+    """``cp.async`` of ``G``'s three bf16 pieces [BT, NO] of tokens ``t0 ..`` (past ``t_end`` zero-filled) into ring
+    slot ``slot`` of ``rings`` (hi, mid, lo)."""
+    g_hi_s, g_mid_s, g_lo_s = rings
+    tg = t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, g_l))
+    c = gl.arange(0, NO, layout=gl.SliceLayout(0, g_l))
+    mg = (tg < t_end)[:, None]
+    g_rows = g_ptr + tg.to(gl.int64)[:, None] * NO + c[None, :]
+    async_copy.async_copy_global_to_shared(g_hi_s.index(slot), g_rows, mask=mg)
+    async_copy.async_copy_global_to_shared(g_mid_s.index(slot), g_rows + T * NO, mask=mg)
+    async_copy.async_copy_global_to_shared(g_lo_s.index(slot), g_rows + 2 * T * NO, mask=mg)
+
+
+@gluon.jit
+def _products(w_hi, w_mid, x_a, g_hi, g_mid, g_lo, gx_l: gl.constexpr, xg_l: gl.constexpr, BD: gl.constexpr,
+              BT: gl.constexpr, NO: gl.constexpr):
+    """One stream's token tile, async (the caller waits): ``g_x^T = fn^T G^T`` from the pieces, smallest first
+    (G_mid fn_hi, G_hi fn_mid, G_hi fn_hi), and ``x^T G`` from ``G``'s pieces, smallest first, fresh for this tile."""
+    gx = warpgroup_mma(w_hi, g_mid.permute((1, 0)), gl.zeros([BD, BT], gl.float32, gx_l), use_acc=False,
+                       is_async=True)
+    gx = warpgroup_mma(w_mid, g_hi.permute((1, 0)), gx, is_async=True)
+    gx = warpgroup_mma(w_hi, g_hi.permute((1, 0)), gx, is_async=True)
+    xg = warpgroup_mma(x_a, g_lo, gl.zeros([BD, NO], gl.float32, xg_l), use_acc=False, is_async=True)
+    xg = warpgroup_mma(x_a, g_mid, xg, is_async=True)
+    xg = warpgroup_mma(x_a, g_hi, xg, is_async=True)
+    return gx, xg
+
+
+@gluon.jit
 def _issue_tile(src, bufs, slot, t0, t_end, T, j, k, d, d_ok, K, D: gl.constexpr, P: gl.constexpr, NO: gl.constexpr,
                 BT: gl.constexpr, tile_l: gl.constexpr, g_l: gl.constexpr, sc_l: gl.constexpr):
     """``cp.async`` of one token tile: ``x`` [BT, BD] of this stream's channels, ``g_y`` [BT, BD], ``G``'s three
@@ -53,13 +82,7 @@ def _issue_tile(src, bufs, slot, t0, t_end, T, j, k, d, d_ok, K, D: gl.constexpr
     rows = t.to(gl.int64)[:, None]
     async_copy.async_copy_global_to_shared(x_s.index(slot), x_ptr + rows * K + k[None, :], mask=m)
     async_copy.async_copy_global_to_shared(dy_s.index(slot), dy_ptr + rows * D + d[None, :], mask=m)
-    tg = t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, g_l))
-    c = gl.arange(0, NO, layout=gl.SliceLayout(0, g_l))
-    mg = (tg < t_end)[:, None]
-    g_rows = g_ptr + tg.to(gl.int64)[:, None] * NO + c[None, :]
-    async_copy.async_copy_global_to_shared(g_hi_s.index(slot), g_rows, mask=mg)
-    async_copy.async_copy_global_to_shared(g_mid_s.index(slot), g_rows + T * NO, mask=mg)
-    async_copy.async_copy_global_to_shared(g_lo_s.index(slot), g_rows + 2 * T * NO, mask=mg)
+    _issue_g_pieces(g_ptr, (g_hi_s, g_mid_s, g_lo_s), slot, t0, t_end, T, NO, BT, g_l)
     ts = t0 + gl.arange(0, BT, layout=sc_l)  # 4-byte copies, replicated over the warps (the same values)
     async_copy.async_copy_global_to_shared(sc_s.index(2 * slot), pre_ptr + ts * P + j, mask=ts < t_end)
     async_copy.async_copy_global_to_shared(sc_s.index(2 * slot + 1), coef_ptr + ts, mask=ts < t_end)
@@ -86,15 +109,7 @@ def _tile_step(i, acc, src, bufs, w_hi, w_mid, dx_s, dx_ptr, t_start, t_end, T, 
     g_lo = g_lo_s.index(slot)
     # x^T [BD, BT], read from shared memory once: the A operand of its three products, and coef x below
     x_a = x_s.index(slot).permute((1, 0)).load(gl.DotOperandLayout(operand_index=0, parent=xg_l, k_width=2))
-    # g_x^T = fn^T G^T from the pieces, smallest first (G_mid fn_hi, G_hi fn_mid, G_hi fn_hi)
-    gx = warpgroup_mma(w_hi, g_mid.permute((1, 0)), gl.zeros([BD, BT], gl.float32, gx_l), use_acc=False,
-                       is_async=True)
-    gx = warpgroup_mma(w_mid, g_hi.permute((1, 0)), gx, is_async=True)
-    gx = warpgroup_mma(w_hi, g_hi.permute((1, 0)), gx, is_async=True)
-    # x^T G from G's pieces, smallest first, fresh for this tile
-    xg = warpgroup_mma(x_a, g_lo, gl.zeros([BD, NO], gl.float32, xg_l), use_acc=False, is_async=True)
-    xg = warpgroup_mma(x_a, g_mid, xg, is_async=True)
-    xg = warpgroup_mma(x_a, g_hi, xg, is_async=True)
+    gx, xg = _products(w_hi, w_mid, x_a, g_hi, g_mid, g_lo, gx_l, xg_l, BD, BT, NO)
     xv = gl.convert_layout(x_a, gx_l).to(gl.float32)  # the same elements per thread at BT = NO: no data moves
     dyv = dy_s.index(slot).permute((1, 0)).load(gx_l).to(gl.float32)
     gx = warpgroup_mma_wait(num_outstanding=3, deps=(gx,))

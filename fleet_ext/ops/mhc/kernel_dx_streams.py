@@ -18,8 +18,9 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma_wait
 
+from fleet_ext.ops.mhc.kernel_dx_gluon import _issue_g_pieces, _products
 from fleet_ext.ops.mhc.kernel_proj_gluon import _piece_rings
 
 
@@ -39,13 +40,7 @@ def _issue(src, bufs, slot, t0, t_end, T, j0, d, d_ok, N: gl.constexpr, D: gl.co
         async_copy.async_copy_global_to_shared(x_s.index(SPP * slot + jj),
                                                x_ptr + rows * (N * D) + ((j0 + jj) * D + d)[None, :], mask=m)
     async_copy.async_copy_global_to_shared(dy_s.index(slot), dy_ptr + rows * D + d[None, :], mask=m)
-    tg = t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, g_l))
-    c = gl.arange(0, NO, layout=gl.SliceLayout(0, g_l))
-    mg = (tg < t_end)[:, None]
-    g_rows = g_ptr + tg.to(gl.int64)[:, None] * NO + c[None, :]
-    async_copy.async_copy_global_to_shared(g_hi_s.index(slot), g_rows, mask=mg)
-    async_copy.async_copy_global_to_shared(g_mid_s.index(slot), g_rows + T * NO, mask=mg)
-    async_copy.async_copy_global_to_shared(g_lo_s.index(slot), g_rows + 2 * T * NO, mask=mg)
+    _issue_g_pieces(g_ptr, (g_hi_s, g_mid_s, g_lo_s), slot, t0, t_end, T, NO, BT, g_l)
     ts = t0 + gl.arange(0, BT, layout=sc_l)  # 4-byte copies, replicated over the warps (the same values)
     for jj in gl.static_range(SPP):
         async_copy.async_copy_global_to_shared(sc_s.index((SPP + 1) * slot + jj), pre_ptr + ts * P + j0 + jj,
@@ -63,13 +58,7 @@ def _stream(jj: gl.constexpr, slot, acc, w_hi, w_mid, g_hi, g_mid, g_lo, dyv, co
     pre = sc_s.index((SPP + 1) * slot + jj).load(gl.SliceLayout(0, gx_l))
     x_a = x_s.index(SPP * slot + jj).permute((1, 0)).load(
         gl.DotOperandLayout(operand_index=0, parent=xg_l, k_width=2))
-    gx = warpgroup_mma(w_hi, g_mid.permute((1, 0)), gl.zeros([BD, BT], gl.float32, gx_l), use_acc=False,
-                       is_async=True)
-    gx = warpgroup_mma(w_mid, g_hi.permute((1, 0)), gx, is_async=True)
-    gx = warpgroup_mma(w_hi, g_hi.permute((1, 0)), gx, is_async=True)
-    xg = warpgroup_mma(x_a, g_lo, gl.zeros([BD, NO], gl.float32, xg_l), use_acc=False, is_async=True)
-    xg = warpgroup_mma(x_a, g_mid, xg, is_async=True)
-    xg = warpgroup_mma(x_a, g_hi, xg, is_async=True)
+    gx, xg = _products(w_hi, w_mid, x_a, g_hi, g_mid, g_lo, gx_l, xg_l, BD, BT, NO)
     xv = gl.convert_layout(x_a, gx_l).to(gl.float32)  # the same elements per thread at BT = NO: no data moves
     gx = warpgroup_mma_wait(num_outstanding=3, deps=(gx,))
     dx_s.index(jj).permute((1, 0)).store((pre[None, :] * dyv + gx + coef[None, :] * xv).to(dtype))
@@ -93,6 +82,7 @@ def _fn_pieces(fn_ptr, j, jj: gl.constexpr, d0, K, D: gl.constexpr, NOUT: gl.con
 @gluon.jit
 def _store_streams(dx_ptr, dx_s, rows_t, t_end, j0, d, d_ok, K, D: gl.constexpr, SPP: gl.constexpr,
                    tile_l: gl.constexpr):
+    """The staged ``g_x`` tiles of the program's streams to memory as 16-byte rows (tokens past ``t_end`` not)."""
     m = (rows_t < t_end)[:, None] & d_ok[None, :]
     for jj in gl.static_range(SPP):
         gl.store(dx_ptr + rows_t[:, None] * K + ((j0 + jj) * D + d)[None, :], dx_s.index(jj).load(tile_l), mask=m)
