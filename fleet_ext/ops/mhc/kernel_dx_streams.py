@@ -92,44 +92,34 @@ def _store_streams(dx_ptr, dx_s, rows_t, t_end, j0, d, d_ok, K, D: gl.constexpr,
 def _fn_operands(fn_ptr, j0, d0, K, D: gl.constexpr, NOUT: gl.constexpr, NO: gl.constexpr, BD: gl.constexpr,
                  SPP: gl.constexpr, dtype: gl.constexpr, gx_l: gl.constexpr, w_l: gl.constexpr):
     """``fn^T``'s hi and mid pieces [BD, NO] of the program's streams, in registers as the A operands of ``G @ fn``
-    for the whole program: (hi, mid) per stream, four streams' worth (with two, the first two repeated)."""
+    for the whole program: a (hi, mid) pair per stream."""
     w_s = gl.allocate_shared_memory(dtype, [2 * SPP, NO, BD], gl.NVMMASharedLayout.get_default_for([NO, BD], dtype))
     for jj in gl.static_range(SPP):
         _fn_pieces(fn_ptr, j0 + jj, jj, d0, K, D, NOUT, NO, BD, w_s, dtype, w_l)
     gl.thread_barrier()
     w_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=gx_l, k_width=2)
-    w0h = w_s.index(0).permute((1, 0)).load(w_a)
-    w0m = w_s.index(1).permute((1, 0)).load(w_a)
-    w1h = w_s.index(2).permute((1, 0)).load(w_a)
-    w1m = w_s.index(3).permute((1, 0)).load(w_a)
-    w2h = w_s.index(4 if SPP == 4 else 0).permute((1, 0)).load(w_a)
-    w2m = w_s.index(5 if SPP == 4 else 1).permute((1, 0)).load(w_a)
-    w3h = w_s.index(6 if SPP == 4 else 2).permute((1, 0)).load(w_a)
-    w3m = w_s.index(7 if SPP == 4 else 3).permute((1, 0)).load(w_a)
-    return ((w0h, w0m), (w1h, w1m), (w2h, w2m), (w3h, w3m))
+    ws = ()
+    for jj in gl.static_range(SPP):
+        ws = ws + ((w_s.index(2 * jj).permute((1, 0)).load(w_a), w_s.index(2 * jj + 1).permute((1, 0)).load(w_a)),)
+    return ws
 
 
 @gluon.jit
 def _tile(slot, accs, ws, bufs, dx_s, gx_l: gl.constexpr, xg_l: gl.constexpr, BD: gl.constexpr, BT: gl.constexpr,
           NO: gl.constexpr, SPP: gl.constexpr, dtype: gl.constexpr):
-    """The token tile in ``slot`` for each of the program's streams: ``accs`` with its ``x^T G`` added."""
+    """The token tile in ``slot`` for each of the program's streams: ``accs`` (one per stream) with its ``x^T G``
+    added."""
     x_s, dy_s, g_hi_s, g_mid_s, g_lo_s, sc_s = bufs
     g_hi = g_hi_s.index(slot)
     g_mid = g_mid_s.index(slot)
     g_lo = g_lo_s.index(slot)
     coef = sc_s.index((SPP + 1) * slot + SPP).load(gl.SliceLayout(0, gx_l))
     dyv = dy_s.index(slot).permute((1, 0)).load(gx_l).to(gl.float32)  # g_y once for the SPP streams
-    a0 = _stream(0, slot, accs[0], ws[0][0], ws[0][1], g_hi, g_mid, g_lo, dyv, coef, x_s, sc_s, dx_s, gx_l, xg_l, BD,
-                 BT, NO, SPP, dtype)
-    a1 = _stream(1, slot, accs[1], ws[1][0], ws[1][1], g_hi, g_mid, g_lo, dyv, coef, x_s, sc_s, dx_s, gx_l, xg_l, BD,
-                 BT, NO, SPP, dtype)
-    a2, a3 = accs[2], accs[3]
-    if SPP == 4:
-        a2 = _stream(2, slot, a2, ws[2][0], ws[2][1], g_hi, g_mid, g_lo, dyv, coef, x_s, sc_s, dx_s, gx_l, xg_l, BD,
-                     BT, NO, SPP, dtype)
-        a3 = _stream(3, slot, a3, ws[3][0], ws[3][1], g_hi, g_mid, g_lo, dyv, coef, x_s, sc_s, dx_s, gx_l, xg_l, BD,
-                     BT, NO, SPP, dtype)
-    return (a0, a1, a2, a3)
+    out = ()
+    for jj in gl.static_range(SPP):
+        out = out + (_stream(jj, slot, accs[jj], ws[jj][0], ws[jj][1], g_hi, g_mid, g_lo, dyv, coef, x_s, sc_s, dx_s,
+                             gx_l, xg_l, BD, BT, NO, SPP, dtype),)
+    return out
 
 
 @gluon.jit
@@ -175,8 +165,9 @@ def _mhc_dx_streams(
     for p in gl.static_range(STAGES - 1):  # the ring's first tiles in flight while fn's pieces are made
         _issue(src, bufs, p, t_start + p * BT, t_end, T, j0, d, d_ok, N, D, P, NO, BT, SPP, tile_l, g_l, sc_l)
     ws = _fn_operands(fn_ptr, j0, d0, K, D, NOUT, NO, BD, SPP, dtype, gx_l, w_l)
-    zero = gl.zeros([BD, NO], gl.float32, xg_l)
-    accs = (zero, zero, zero, zero)
+    accs = ()
+    for _ in gl.static_range(SPP):
+        accs = accs + (gl.zeros([BD, NO], gl.float32, xg_l),)
     t_rows = gl.arange(0, BT, layout=gl.SliceLayout(1, tile_l))
     for i in range(n_tiles):
         slot = i % STAGES
