@@ -215,10 +215,11 @@ def time_variants(row: dict, fwd, bwd) -> None:
 
 
 def partial_dtype_error(row: dict, bwd, q, kv, idx, sink, d_out, scale: float, d_v: int, eager) -> None:
-    """--partial-dtype: the backward with fp32 (the default) and bf16 per-pair dkv contributions, each against an
+    """--partial-dtype: the backward with each way of storing the per-pair dkv contributions, each against an
     fp32 reference (``eager``, the gather-softmax on fp32 copies of the same inputs, autograd): dq and dkv relative
-    errors, dkv's on the 1 % most-read kv rows alone (where rounding every contribution to bf16 could add up), and
-    both backward times."""
+    errors, dkv's on the 1 % most-read kv rows alone (where rounding every contribution could add up), how far dkv
+    moved from the fp32 contributions' dkv, the backward times (three alternating rounds, the middle one) and each
+    one's per-kernel breakdown."""
     leaves = [t.detach().float().requires_grad_(True) for t in (q, kv)]
     out_ref, _ = eager(leaves[0], leaves[1], idx, sink, scale, d_v)
     out_ref.backward(d_out.float())
@@ -230,14 +231,23 @@ def partial_dtype_error(row: dict, bwd, q, kv, idx, sink, d_out, scale: float, d
     def rel(a, b):
         return float((a.float() - b).norm() / b.norm())
 
-    for dtype in ("float32", "bfloat16"):
+    dkv_full = bwd(partial_dtype="float32")[1].float()
+    for dtype in kernel.PARTIAL_DTYPES:
         dq, dkv, _ = bwd(partial_dtype=dtype)
         row[f"partial_{dtype}"] = {"dq_rel": rel(dq, dq_ref), "dkv_rel": rel(dkv, dkv_ref),
                                    "dkv_hot_rows_rel": rel(dkv[hot], dkv_ref[hot]),
+                                   "dkv_moved_rel": rel(dkv, dkv_full),
                                    "hot_rows": int(hot.sum()), "hot_min_reads": int(reads[hot].min()),
-                                   "bwd_ms": median_ms(lambda d=dtype: bwd(partial_dtype=d), warmup=5, rep=40)}
+                                   "kernels_ms": kernel_breakdown(lambda d=dtype: bwd(partial_dtype=d))}
+    del dq, dkv, dkv_full
+    rounds = {dtype: [] for dtype in kernel.PARTIAL_DTYPES}
+    for _ in range(3):
+        for dtype in kernel.PARTIAL_DTYPES:
+            rounds[dtype].append(median_ms(lambda d=dtype: bwd(partial_dtype=d), warmup=5, rep=40))
+    for dtype, times in rounds.items():
+        row[f"partial_{dtype}"].update(bwd_ms=sorted(times)[1], bwd_rounds_ms=times)
     torch.cuda.empty_cache()
     print(f"  {row['shape']} partial dtype (vs fp32 reference): " + ", ".join(
         f"{k}: dq {v['dq_rel']:.2e} dkv {v['dkv_rel']:.2e} hot rows {v['dkv_hot_rows_rel']:.2e} "
         f"({v['hot_rows']} rows, >= {v['hot_min_reads']} reads) bwd {v['bwd_ms']:.2f} ms"
-        for k, v in ((d, row[f"partial_{d}"]) for d in ("float32", "bfloat16"))), flush=True)
+        for k, v in ((d, row[f"partial_{d}"]) for d in kernel.PARTIAL_DTYPES)), flush=True)

@@ -322,10 +322,27 @@ def test_hca_rows_split_into_reduce_items(chunk, monkeypatch):
     assert launch.LAUNCH_COUNTS["_bwd_dkv_combine_kernel"] > before
 
 
-def test_bf16_partials():
+@pytest.mark.parametrize("partial_dtype", ["bfloat16", "float24"])
+def test_rounded_partials(partial_dtype):
+    """Contributions stored rounded: within the fp32 reference's bounds and byte-identical run to run (``check``);
+    dq and d_sink byte-equal to the fp32 contributions' backward, and float24's dkv (bf16) within one bf16 rounding
+    (2^-8, in norm) of it: rounding each contribution at 16 bits moves dkv by less than dkv's own rounding."""
     # the inputs of test_production_shapes[v32_h128] (same seed): its printed fp32-contribution errors compare 1:1
     q, kv, idx, sink, d_out, d_lse = make_case(4096, 128, 576, 512, 2048, 128)
-    check(q, kv, idx, sink, 512, d_out, d_lse, partial_dtype="bfloat16")
+    before = launch.LAUNCH_COUNTS["_bwd_dkv_partial_kernel"]
+    check(q, kv, idx, sink, 512, d_out, d_lse, partial_dtype=partial_dtype)
+    assert launch.LAUNCH_COUNTS["_bwd_dkv_partial_kernel"] > before
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    out, lse = kernel.sparse_attn_fwd(q, kv, idx, sink, scale, d_v=512)
+    rounded, full = (kernel.sparse_attn_bwd(q, kv, idx, sink, scale, out, lse, d_out, d_lse, d_v=512, partial_dtype=dt)
+                     for dt in (partial_dtype, "float32"))
+    assert_bitwise(rounded[0], full[0], "dq: rounded vs fp32 contributions")
+    assert_bitwise(rounded[2], full[2], "d_sink: rounded vs fp32 contributions")
+    moved = rel(rounded[1], full[1])
+    print(f"[{partial_dtype} contributions] dkv moved {moved:.2e} from the fp32 contributions' dkv")
+    assert moved > 0.0
+    if partial_dtype == "float24":
+        assert moved <= 2.0 ** -8, moved
 
 
 # ------------------------------------------------------------------------------------------------------

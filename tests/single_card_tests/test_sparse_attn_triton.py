@@ -37,17 +37,22 @@ from fleet_ext import capability
 capability.prepare_triton()
 torch = pytest.importorskip("torch")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from fleet_ext.ops import launch  # noqa: E402
 from fleet_ext.ops.sparse_attn import kernel  # noqa: E402
 from fleet_ext.ops.sparse_attn.function import sparse_attention_triton  # noqa: E402
+from fleet_ext.ops.sparse_attn.kernel_bwd import _pack24, _unpack24  # noqa: E402
 from fleet_ext.ops.sparse_attn.reference import sparse_attention_with_sink  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------------------
 # float64 oracle (independent of fleet_ext)
 # ------------------------------------------------------------------------------------------------------
-def oracle(q, kv, idx, sink, scale, d_v, d_out, d_lse, topk_length=None):
-    """Flat layout. Loss = sum(out * d_out) + sum(lse * d_lse); returns out, lse, dq, dkv, d_sink (float64).
+def oracle(q, kv, idx, sink, scale, d_v, d_out, d_lse, topk_length=None, abs_dkv=None):
+    """Flat layout. Loss = sum(out * d_out) + sum(lse * d_lse); returns out, lse, dq, dkv, d_sink (float64);
+    ``abs_dkv`` (an [N, d_qk] array), when given, collects the sum of the absolute per-pair contributions.
 
     P_j = exp(l_j - LSE), P_sink = exp(sink - LSE), delta = rowsum(dO * O) - dLSE;
     dl_j = P_j (dO . v_j - delta); dq = scale sum_j dl_j k_j; dkv_j += scale dl_j q (all d_qk channels)
@@ -75,6 +80,8 @@ def oracle(q, kv, idx, sink, scale, d_v, d_out, d_lse, topk_length=None):
         contrib[:, :d_v] += p.T @ d_out[t]
         for a, j in enumerate(keys):
             dkv[j] += contrib[a]
+            if abs_dkv is not None:
+                abs_dkv[j] += np.abs(contrib[a])
         d_sink -= p_sink * delta
     return out, lse, dq, dkv, d_sink
 
@@ -192,6 +199,80 @@ def test_dkv_reduce_splits_long_rows_into_items(monkeypatch, max_partial_bytes):
     planted = run_kernels(q, kv, idx, sink, 0.3, d_v, d_out, d_lse, max_partial_bytes=max_partial_bytes)
     with pytest.raises(AssertionError):
         assert_close(planted[3], ref[3], "fp32", "triton_sparse_attn", what="planted: items of 4 pairs, sums of 3")
+
+
+@triton.jit
+def _pack24_roundtrip_kernel(X, HI, LO, Y, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    ok = offs < n
+    hi, lo = _pack24(tl.load(X + offs, mask=ok, other=0.0))
+    tl.store(HI + offs, hi, mask=ok)
+    tl.store(LO + offs, lo, mask=ok)
+    tl.store(Y + offs, _unpack24(tl.load(HI + offs, mask=ok), tl.load(LO + offs, mask=ok)), mask=ok)
+
+
+def _pack24_roundtrip(x: np.ndarray) -> np.ndarray:
+    """The backward's 24-bit packing of fp32 contributions and back (``kernel_bwd._pack24`` / ``_unpack24``)."""
+    xt = torch.from_numpy(x)
+    hi, lo, y = torch.empty(x.size, dtype=torch.int16), torch.empty(x.size, dtype=torch.uint8), torch.empty_like(xt)
+    _pack24_roundtrip_kernel[(1,)](xt, hi, lo, y, x.size, BLOCK=triton.next_power_of_2(x.size))
+    return y.numpy()
+
+
+def _round_to_16_bits(x: np.ndarray, half_even: bool = True) -> np.ndarray:
+    """Oracle: x rounded to a 16-bit significand (quantum 2^(e - 16) for x = m 2^e, m in [0.5, 1); fp32's
+    subnormals keep their fixed quantum 2^-141) in float64, then to fp32 (2^128 overflows to inf)."""
+    x64 = x.astype(np.float64)
+    finite = np.isfinite(x64)
+    _, e = np.frexp(np.where(finite, x64, 1.0))
+    quantum = np.ldexp(1.0, np.maximum(e - 16, -141))
+    scaled = np.where(finite, x64, 0.0) / quantum
+    rounded = (np.round(scaled) if half_even else np.floor(scaled + 0.5)) * quantum
+    with np.errstate(over="ignore"):
+        return np.where(finite, rounded, x64).astype(np.float32)
+
+
+def test_pack24_rounds_to_nearest_even_at_16_significant_bits():
+    """Specials (signed zeros, subnormals, the largest finite value rounding to inf, inf, NaN), ties both ways and
+    random values against the float64 oracle; the ties fail an oracle that rounds half away from zero."""
+    rng = np.random.default_rng(3)
+    tie_bits = np.array([0x3F800080, 0x3F800180, 0xBF800080, 0x00000080, 0x00000180], dtype=np.uint32)
+    specials = np.array([0.0, -0.0, 1e-45, -3e-44, 1.17549435e-38, 3.4028235e38, -3.4028235e38, np.inf, -np.inf,
+                         np.nan, 1.0, -2.5], dtype=np.float32)
+    x = np.concatenate([specials, tie_bits.view(np.float32),
+                        (rng.standard_normal(200) * 10.0 ** rng.uniform(-30, 30, 200)).astype(np.float32)])
+    got, want = _pack24_roundtrip(x), _round_to_16_bits(x)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(x))
+    finite = ~np.isnan(x)
+    assert_bitwise(got[finite].view(np.uint32), want[finite].view(np.uint32), "packed contributions vs oracle")
+    assert np.isinf(got[5]) and got[5] > 0 and np.isinf(got[6]) and got[6] < 0  # the largest finite rounds up
+    ties = slice(len(specials), len(specials) + len(tie_bits))
+    assert not np.array_equal(got[ties], _round_to_16_bits(x[ties], half_even=False))
+
+
+def test_float24_contributions_stay_within_their_rounding_bound():
+    """``partial_dtype="float24"``: out, lse, dq and d_sink byte-equal to the fp32 contributions' backward; dkv
+    within 2^-16 of the summed absolute contributions (plus the fp32 sum's own rounding) and really rounded (some
+    error above 2^-20 of it); byte-identical run to run, in one query chunk and in chunks."""
+    num_t, heads, d_qk, d_v, n_kv, width = 9, 3, 48, 32, 6, 12
+    q, kv, idx, sink, d_out, d_lse = make_case(41, num_t, heads, d_qk, d_v, n_kv, width)
+    abs_sum = np.zeros((n_kv, d_qk))
+    oracle(q, kv, idx, sink, 0.3, d_v, d_out, d_lse, abs_dkv=abs_sum)
+    full = run_kernels(q, kv, idx, sink, 0.3, d_v, d_out, d_lse)
+    for max_partial_bytes in (4 << 30, 9000):
+        with expect_launches("_bwd_dkv_partial_kernel", "_bwd_dkv_reduce_kernel"):
+            packed = run_kernels(q, kv, idx, sink, 0.3, d_v, d_out, d_lse, partial_dtype="float24",
+                                 max_partial_bytes=max_partial_bytes)
+        again = run_kernels(q, kv, idx, sink, 0.3, d_v, d_out, d_lse, partial_dtype="float24",
+                            max_partial_bytes=max_partial_bytes)
+        for name, a, b, c in zip(("out", "lse", "dq", "dkv", "d_sink"), packed, again, full):
+            assert_bitwise(a, b, f"float24 contributions, two runs: {name}")
+            if name != "dkv":
+                assert_bitwise(a, c, f"float24 vs float32 contributions: {name}")
+        err = np.abs(packed[3].astype(np.float64) - full[3])
+        reads = int(np.bincount(idx[(idx >= 0) & (idx < n_kv)], minlength=n_kv).max())
+        assert np.all(err <= (2.0 ** -16 + 2 * reads * 2.0 ** -24) * abs_sum), float((err / abs_sum).max())
+        assert (err > 2.0 ** -20 * abs_sum).any(), "float24 contributions were not rounded"
 
 
 def _bound_case(seed, num_t=12, heads=5, d_qk=48, d_v=32, n_kv=9, width=45):

@@ -289,8 +289,8 @@ def _check_bwd_inputs(q: Any, kv: Any, idx: Any, sink: Any, out: Any, lse: Any, 
         raise ValueError(f"{fn}: `lse` must be fp32 [{num_t}, {heads}], got {lse.dtype} {list(lse.shape)}")
     if d_lse is not None and (shape_of(d_lse) != [num_t, heads] or dtype_name(d_lse) != "float32"):
         raise ValueError(f"{fn}: `d_lse` must be fp32 [{num_t}, {heads}], got {d_lse.dtype} {list(d_lse.shape)}")
-    if partial_dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"{fn}: `partial_dtype` must be 'float32' or 'bfloat16', got {partial_dtype!r}")
+    if partial_dtype not in PARTIAL_DTYPES:
+        raise ValueError(f"{fn}: `partial_dtype` must be one of {list(PARTIAL_DTYPES)}, got {partial_dtype!r}")
     for name, tensor in (("out", out), ("lse", lse), ("d_out", d_out), ("d_lse", d_lse)):
         if tensor is not None and not _is_contiguous(tensor):
             raise ValueError(f"{fn}: `{name}` must be contiguous")
@@ -325,7 +325,8 @@ class _PairBuffers:
     block_h: int
     p_buf: Any
     ds_buf: Any
-    part: Any
+    part: Any  # the contributions ([pairs, d_qk]; packed to 24 bits: their high 16 bits as int16)
+    part_lo: Any  # packed to 24 bits: their low 8 bits (uint8), else ``part`` (never read)
     keys: Any
     rowptr: Any
     acc: Any  # the fp32 running dkv when there is more than one chunk, else dkv itself
@@ -335,6 +336,10 @@ class _PairBuffers:
     item_row: Any  # [items_bound] int32: each item's row
     split: Any  # [items_bound, d_qk] fp32: the items' sums of rows with more than one item
 
+    @property
+    def packed24(self) -> bool:
+        return self.part_lo is not self.part
+
 
 def _pair_buffers(q: Any, kv: Any, idx: Any, dkv: Any, num_t: int, heads: int, d_qk: int, n_kv: int, width: int,
                   partial_dtype: str, max_partial_bytes: int) -> _PairBuffers:
@@ -343,15 +348,16 @@ def _pair_buffers(q: Any, kv: Any, idx: Any, dkv: Any, num_t: int, heads: int, d
     h_pad = max(16, _pow2(heads))
     block_h = min(64, h_pad)
     elem = 4 if dtype_name(q) == "float32" else 2
-    part_elem = 4 if partial_dtype == "float32" or dtype_name(q) == "float32" else 2
-    part_dt = _framework_dtype(q, "float32" if part_elem == 4 else partial_dtype)
+    stored = partial_storage(partial_dtype, dtype_name(q))
+    part_elem = {"float32": 4, "float24": 3, "bfloat16": 2}[stored]
     per_query = max(1, width) * (d_qk * part_elem + 2 * h_pad * elem + 4 + 4 + 8)
     chunk = max(1, min(max(num_t, 1), int(max_partial_bytes) // per_query))
     n_chunks = triton.cdiv(num_t, chunk) if num_t else 0
     pairs = chunk * width
     p_buf = empty_like(q, [max(pairs, 1), h_pad])
     ds_buf = empty_like(q, [max(pairs, 1), h_pad])
-    part = empty_like(q, [max(pairs, 1), d_qk], dtype=part_dt)
+    part = empty_like(q, [max(pairs, 1), d_qk], dtype=_framework_dtype(q, "int16" if stored == "float24" else stored))
+    part_lo = empty_like(q, [max(pairs, 1), d_qk], dtype=_framework_dtype(q, "uint8")) if stored == "float24" else part
     keys = empty_like(idx, [max(pairs, 1)], dtype=_framework_dtype(idx, "int32"))
     rowptr = empty_like(idx, [n_kv + 1], dtype=_framework_dtype(idx, "int64"))
     acc = empty_like(kv, [n_kv, d_qk], dtype=f32) if n_chunks > 1 else dkv
@@ -362,8 +368,20 @@ def _pair_buffers(q: Any, kv: Any, idx: Any, dkv: Any, num_t: int, heads: int, d
     split = empty_like(kv, [max(items_bound, 1), d_qk], dtype=f32)
     if n_chunks == 0:
         n_chunks, chunk = 1, 0  # one pass of the reduce writes zeros
-    return _PairBuffers(chunk, n_chunks, h_pad, block_h, p_buf, ds_buf, part, keys, rowptr, acc, items_chunk,
-                        items_bound, item_start, item_row, split)
+    return _PairBuffers(chunk, n_chunks, h_pad, block_h, p_buf, ds_buf, part, part_lo, keys, rowptr, acc,
+                        items_chunk, items_bound, item_start, item_row, split)
+
+
+# The backward's per-pair dkv contributions (``partial_dtype``), summed in fp32 in a fixed order in every case:
+# "float32"; "float24", fp32 rounded to nearest even at 16 significant bits and stored in 3 bytes (a relative
+# error of at most 2^-16 per contribution, whatever the input dtype); "bfloat16", for bf16/fp16 inputs only (fp32
+# inputs keep fp32 contributions).
+PARTIAL_DTYPES = ("float32", "float24", "bfloat16")
+
+
+def partial_storage(partial_dtype: str, input_dtype: str) -> str:
+    """How the contributions are stored: ``partial_dtype``, except bfloat16 for fp32 inputs (kept fp32)."""
+    return "float32" if partial_dtype == "bfloat16" and input_dtype == "float32" else partial_dtype
 
 
 # Pairs per item of the dkv reduce: None picks ``max(1024, next_pow2(4 * pairs / rows))`` per query chunk (rows of
@@ -457,9 +475,9 @@ def _bwd_pairs(call: _BwdCall, bufs: _PairBuffers, t0: int, tc: int) -> tuple[in
     launch_first_fitting(
         "partial", _bwd_dkv_partial_kernel, lambda m, tc=tc: (tc * triton.cdiv(width, m["BLOCK_M"]),),
         (d_qk, d_v, h_pad, dtype_name(q), call.partial_dtype), configs_for("partial"),
-        q, call.d_out, call.topk, bufs.p_buf, bufs.ds_buf, bufs.part,
+        q, call.d_out, call.topk, bufs.p_buf, bufs.ds_buf, bufs.part, bufs.part_lo,
         heads, width, t0, h_pad, heads * d_qk, d_qk, heads * d_v, d_v, d_qk,
-        BLOCK_HP=h_pad, BLOCK_D=min(d_v, 16 if interp else 64), **call.meta(),
+        BLOCK_HP=h_pad, BLOCK_D=min(d_v, 16 if interp else 64), PACK24=bufs.packed24, **call.meta(),
     )
     launch(_csr_keys_kernel, (tc, triton.cdiv(width, 128 if not interp else 16)), call.idx, call.topk, bufs.keys,
            call.n_kv, width, t0, width, BLOCK=128 if not interp else 16,
@@ -489,9 +507,9 @@ def _bwd_chunk(call: _BwdCall, bufs: _PairBuffers, c: int) -> None:
     launch(_csr_items_kernel, (1,), bufs.rowptr, bufs.item_start, n_kv, bufs.reduce_chunk,
            BLOCK=1024 if not capability.detect().interpreter else 16)
     launch(_csr_item_rows_kernel, (triton.cdiv(n_kv, 128),), bufs.item_start, bufs.item_row, n_kv, BLOCK=128)
-    launch(_bwd_dkv_reduce_kernel, (bufs.items_bound,), bufs.part, order, bufs.rowptr, bufs.item_start,
-           bufs.item_row, bufs.split, bufs.acc, out, d_qk, bufs.reduce_chunk, n_kv, D_V=d_v, D_TAIL=d_qk - d_v,
-           ACCUMULATE=c > 0, **reduce_config())
+    launch(_bwd_dkv_reduce_kernel, (bufs.items_bound,), bufs.part, bufs.part_lo, order, bufs.rowptr,
+           bufs.item_start, bufs.item_row, bufs.split, bufs.acc, out, d_qk, bufs.reduce_chunk, n_kv, D_V=d_v,
+           D_TAIL=d_qk - d_v, ACCUMULATE=c > 0, PACK24=bufs.packed24, **reduce_config())
     launch(_bwd_dkv_combine_kernel, (n_kv,), bufs.split, bufs.item_start, bufs.acc, out, d_qk, D_V=d_v,
            D_TAIL=d_qk - d_v, ACCUMULATE=c > 0)
 
@@ -503,8 +521,9 @@ def sparse_attn_bwd(q: Any, kv: Any, idx: Any, sink: Any, scale: float, out: Any
     """Deterministic backward -> (dq [T, H, d_qk] like q, dkv [N, d_qk] like kv, d_sink [H] fp32).
 
     ``out``/``lse`` are the forward's outputs, ``d_out`` [T, H, d_v], ``d_lse`` [T, H] (optional, the
-    gradient reaching the returned LSE). ``partial_dtype`` is the dtype of the per-pair dkv contributions
-    ("float32", or "bfloat16" to halve their traffic at the cost of rounding each contribution);
+    gradient reaching the returned LSE). ``partial_dtype`` is how the per-pair dkv contributions are stored
+    (``PARTIAL_DTYPES``: "float24" cuts their round trip through memory by a quarter, "bfloat16" by half, each at
+    the cost of rounding every contribution);
     ``max_partial_bytes`` bounds the pair buffers (queries are processed in chunks under it);
     ``derive_bound`` as in ``sparse_attn_fwd`` (byte-identical gradients either way).
     """

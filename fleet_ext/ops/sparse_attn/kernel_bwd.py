@@ -140,12 +140,48 @@ def _bwd_dq_kernel(
 # Backward 3: per-pair dkv contributions dS^T Q_t + P^T dO_t, reducing over all heads
 # ------------------------------------------------------------------------------------------------------
 @triton.jit
+def _pack24(x):
+    """fp32 -> its top 24 bits rounded to nearest even (8-bit exponent, 16-bit significand: a relative error of at
+    most 2^-16), as a 16-bit high plane and an 8-bit low plane; NaN stays NaN, overflow rounds to inf."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7F + ((bits >> 8) & 1)) >> 8
+    top = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7FC000, rounded)
+    return (top >> 8).to(tl.uint16).to(tl.int16, bitcast=True), (top & 0xFF).to(tl.uint8)
+
+
+@triton.jit
+def _unpack24(hi, lo):
+    """The fp32 value of a ``_pack24`` pair (the low 8 bits zero)."""
+    bits = (hi.to(tl.uint16, bitcast=True).to(tl.uint32) << 16) | (lo.to(tl.uint32) << 8)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _store_part(PART, PART_LO, offs, acc, mask, PACK24: tl.constexpr):
+    """A tile of contributions: as ``PART``'s dtype, or packed to 24 bits over ``PART`` (int16) and ``PART_LO``."""
+    if PACK24:
+        hi, lo = _pack24(acc)
+        tl.store(PART + offs, hi, mask=mask)
+        tl.store(PART_LO + offs, lo, mask=mask)
+    else:
+        tl.store(PART + offs, acc.to(PART.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _load_part(PART, PART_LO, offs, mask, PACK24: tl.constexpr):
+    """Contributions as fp32 (0 where ``mask`` is False); ``_store_part``'s inverse up to its rounding."""
+    if PACK24:
+        return _unpack24(tl.load(PART + offs, mask=mask, other=0), tl.load(PART_LO + offs, mask=mask, other=0))
+    return tl.load(PART + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _bwd_dkv_partial_kernel(
-    Q, DOUT, TOPK_LEN, P_BUF, DS_BUF, PART,
+    Q, DOUT, TOPK_LEN, P_BUF, DS_BUF, PART, PART_LO,
     H, K, t_begin, H_PAD,
     stride_qt, stride_qh, stride_dot, stride_doh, stride_part,
     D_V: tl.constexpr, D_TAIL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_HP: tl.constexpr,
-    BLOCK_D: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_D: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, PREC: tl.constexpr, PACK24: tl.constexpr,
 ):
     # 1-D grid, a query's slot blocks next to each other: they read the same Q_t and dO_t rows (L2, not HBM)
     pid_t = tl.program_id(0) // tl.cdiv(K, BLOCK_M)
@@ -166,7 +202,7 @@ def _bwd_dkv_partial_kernel(
     buf_ok = k_ok[:, None] & (offs_hp < H_PAD)[None, :]
     ds = tl.load(DS_BUF + buf, mask=buf_ok, other=0.0)
     p = tl.load(P_BUF + buf, mask=buf_ok, other=0.0)
-    part_rows = PART + pair[:, None] * stride_part
+    part_rows = pair[:, None] * stride_part
     q_rows = Q + t * stride_qt + offs_hp[:, None] * stride_qh
     do_rows = DOUT + t * stride_dot + offs_hp[:, None] * stride_doh
     for d0 in range(0, D_V, BLOCK_D):
@@ -175,12 +211,12 @@ def _bwd_dkv_partial_kernel(
         doc = tl.load(do_rows + offs_c[None, :], mask=hp_ok[:, None], other=0.0)
         acc = tl.dot(ds, qc, input_precision=PREC)
         acc = tl.dot(p, doc, acc, input_precision=PREC)
-        tl.store(part_rows + offs_c[None, :], acc.to(PART.dtype.element_ty), mask=k_ok[:, None])
+        _store_part(PART, PART_LO, part_rows + offs_c[None, :], acc, k_ok[:, None], PACK24)
     if D_TAIL > 0:
         offs_e = D_V + tl.arange(0, D_TAIL)
         qe = tl.load(q_rows + offs_e[None, :], mask=hp_ok[:, None], other=0.0)
         acc_e = tl.dot(ds, qe, input_precision=PREC)
-        tl.store(part_rows + offs_e[None, :], acc_e.to(PART.dtype.element_ty), mask=k_ok[:, None])
+        _store_part(PART, PART_LO, part_rows + offs_e[None, :], acc_e, k_ok[:, None], PACK24)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -247,8 +283,8 @@ def _csr_item_rows_kernel(ITEM_START, ITEM_ROW, NROWS, BLOCK: tl.constexpr):
 # ------------------------------------------------------------------------------------------------------
 @triton.jit
 def _bwd_dkv_reduce_kernel(
-    PART, ORDER, ROWPTR, ITEM_START, ITEM_ROW, SPLIT, ACC, OUT, stride_part, CHUNK, NROWS,
-    D_V: tl.constexpr, D_TAIL: tl.constexpr, BLOCK_P: tl.constexpr, ACCUMULATE: tl.constexpr,
+    PART, PART_LO, ORDER, ROWPTR, ITEM_START, ITEM_ROW, SPLIT, ACC, OUT, stride_part, CHUNK, NROWS,
+    D_V: tl.constexpr, D_TAIL: tl.constexpr, BLOCK_P: tl.constexpr, ACCUMULATE: tl.constexpr, PACK24: tl.constexpr,
 ):
     """Program i sums reduce item i: pairs ``[c CHUNK, (c + 1) CHUNK)`` of its row's CSR range (c = the item's
     place in the row). A row of one item is written to ``OUT`` (+ ``ACC``) here; a longer row's items go to
@@ -272,9 +308,9 @@ def _bwd_dkv_reduce_kernel(
         pos = p0 + offs_p
         p_ok = pos < end
         src = tl.load(ORDER + pos, mask=p_ok, other=0).to(tl.int64) * stride_part
-        acc += tl.load(PART + src[:, None] + offs_d[None, :], mask=p_ok[:, None], other=0.0).to(tl.float32)
+        acc += _load_part(PART, PART_LO, src[:, None] + offs_d[None, :], p_ok[:, None], PACK24)
         if D_TAIL > 0:
-            acc_e += tl.load(PART + src[:, None] + offs_e[None, :], mask=p_ok[:, None], other=0.0).to(tl.float32)
+            acc_e += _load_part(PART, PART_LO, src[:, None] + offs_e[None, :], p_ok[:, None], PACK24)
     if items > 1:  # one part of a long row, summed in order by _bwd_dkv_combine_kernel
         split = SPLIT + i.to(tl.int64) * stride_part
         tl.store(split + offs_d, tl.sum(acc, 0))
