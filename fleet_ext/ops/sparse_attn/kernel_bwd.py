@@ -140,40 +140,40 @@ def _bwd_dq_kernel(
 # Backward 3: per-pair dkv contributions dS^T Q_t + P^T dO_t, reducing over all heads
 # ------------------------------------------------------------------------------------------------------
 @triton.jit
-def _pack24(x):
-    """fp32 -> its top 24 bits rounded to nearest even (8-bit exponent, 16-bit significand: a relative error of at
-    most 2^-16), as its high 16 bits (int16) and its low 8 bits (in a uint16); NaN stays NaN, overflow rounds to
-    inf."""
+def _pack24_pairs(x, ROUNDING: tl.constexpr):
+    """[M, N] fp32 -> their top 24 bits (8-bit exponent, 16-bit significand) by neighbouring column pairs: [M, N/2]
+    uint32 of the high 16 bits (column 2k in the low half) and [M, N/2] uint16 of bits 8-15 (column 2k in the low
+    byte). ``ROUNDING`` 0 truncates toward zero (a relative error below 2^-15), 1 rounds to nearest even (at most
+    2^-16; NaN made canonical first so the carry cannot reach the sign)."""
     bits = x.to(tl.uint32, bitcast=True)
-    rounded = (bits + 0x7F + ((bits >> 8) & 1)) >> 8
-    top = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7FC000, rounded)
-    return (top >> 8).to(tl.uint16).to(tl.int16, bitcast=True), (top & 0xFF).to(tl.uint16)
+    if ROUNDING == 1:
+        bits = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7FC00000, bits)
+        bits = bits + 0x7F + ((bits >> 8) & 1)
+    a, b = tl.split(tl.reshape(bits, [x.shape[0], x.shape[1] // 2, 2]))
+    return (a >> 16) | (b & 0xFFFF0000), (((a >> 8) & 0xFF) | (b & 0xFF00)).to(tl.uint16)
 
 
 @triton.jit
 def _unpack24(hi, lo):
-    """The fp32 value of a ``_pack24`` pair (the low 8 bits zero)."""
+    """The fp32 value of a packed contribution from its high 16 bits (int16) and bits 8-15 (uint8)."""
     bits = (hi.to(tl.uint16, bitcast=True).to(tl.uint32) << 16) | (lo.to(tl.uint32) << 8)
     return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _store_part(PART, PART_LO, rows, rows_lo, col0, acc, row_ok, PACK24: tl.constexpr):
+def _store_part(PART, PART_LO, rows, rows_lo, col0, acc, row_ok, PACK24: tl.constexpr, ROUNDING: tl.constexpr):
     """A tile of contributions at element offsets ``rows`` [M, 1] + columns ``col0 ..`` (``col0`` even): as
-    ``PART``'s dtype, or packed to 24 bits: the high 16 bits to ``PART`` (int16), the low bytes to ``PART_LO``
-    (uint8, the same offsets) written as int16 pairs of neighbouring columns (``rows_lo``: the rows' offsets in
-    int16 units), the same bytes: on the H200 a uint8 tile's conversion to the store layout made the contribution
-    kernel 7 % slower than 16-bit tiles allow."""
+    ``PART``'s dtype, or packed to 24 bits (``_pack24_pairs``): the high 16 bits to ``PART`` (int16), bits 8-15 to
+    ``PART_LO`` (uint8, the same offsets), each written by column pairs (``rows_lo``: the rows' offsets in pairs)
+    so the packing is a few byte moves per element and every stored tile is 16-bit or wider."""
     width: tl.constexpr = acc.shape[1]
-    cols = col0 + tl.arange(0, width)
     if PACK24:
-        hi, lo = _pack24(acc)
-        tl.store(PART + rows + cols[None, :], hi, mask=row_ok)
-        lo_even, lo_odd = tl.split(tl.reshape(lo, [lo.shape[0], width // 2, 2]))
+        hi, lo = _pack24_pairs(acc, ROUNDING)
         pairs = col0 // 2 + tl.arange(0, width // 2)
-        tl.store(PART_LO.to(tl.pointer_type(tl.int16)) + rows_lo + pairs[None, :],
-                 (lo_even | (lo_odd << 8)).to(tl.int16, bitcast=True), mask=row_ok)
+        tl.store(PART.to(tl.pointer_type(tl.uint32)) + rows_lo + pairs[None, :], hi, mask=row_ok)
+        tl.store(PART_LO.to(tl.pointer_type(tl.uint16)) + rows_lo + pairs[None, :], lo, mask=row_ok)
     else:
+        cols = col0 + tl.arange(0, width)
         tl.store(PART + rows + cols[None, :], acc.to(PART.dtype.element_ty), mask=row_ok)
 
 
@@ -202,6 +202,7 @@ def _bwd_dkv_partial_kernel(
     stride_qt, stride_qh, stride_dot, stride_doh, stride_part, stride_part_lo,
     D_V: tl.constexpr, D_TAIL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_HP: tl.constexpr,
     BLOCK_D: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, PREC: tl.constexpr, PACK24: tl.constexpr,
+    ROUNDING: tl.constexpr = 0,
 ):
     """Per (query, ``BLOCK_M`` slots): the slots' contributions, ``BLOCK_D`` value columns at a time, then the
     key-only tail. ``stride_part_lo`` = ``stride_part // 2`` (a separate argument so the compiler sees its
@@ -231,12 +232,12 @@ def _bwd_dkv_partial_kernel(
     do_rows = DOUT + t * stride_dot + offs_hp[:, None] * stride_doh
     for d0 in range(0, D_V, BLOCK_D):
         acc = _column_block(ds, p, q_rows, do_rows, hp_ok, d0, BLOCK_D, PREC)
-        _store_part(PART, PART_LO, part_rows, part_rows_lo, d0, acc, k_ok[:, None], PACK24)
+        _store_part(PART, PART_LO, part_rows, part_rows_lo, d0, acc, k_ok[:, None], PACK24, ROUNDING)
     if D_TAIL > 0:
         offs_e = D_V + tl.arange(0, D_TAIL)
         qe = tl.load(q_rows + offs_e[None, :], mask=hp_ok[:, None], other=0.0)
         acc_e = tl.dot(ds, qe, input_precision=PREC)
-        _store_part(PART, PART_LO, part_rows, part_rows_lo, D_V, acc_e, k_ok[:, None], PACK24)
+        _store_part(PART, PART_LO, part_rows, part_rows_lo, D_V, acc_e, k_ok[:, None], PACK24, ROUNDING)
 
 
 # ------------------------------------------------------------------------------------------------------
