@@ -143,12 +143,13 @@ def _bwd_dq_kernel(
 def _pack24_pairs(x, ROUNDING: tl.constexpr):
     """[M, N] fp32 -> their top 24 bits (8-bit exponent, 16-bit significand) by neighbouring column pairs: [M, N/2]
     uint32 of the high 16 bits (column 2k in the low half) and [M, N/2] uint16 of bits 8-15 (column 2k in the low
-    byte). ``ROUNDING`` 0 truncates toward zero (a relative error below 2^-15), 1 rounds to nearest even (at most
-    2^-16; NaN made canonical first so the carry cannot reach the sign)."""
-    bits = x.to(tl.uint32, bitcast=True)
+    byte). ``ROUNDING`` 0 truncates toward zero (a relative error below 2^-15), 1 rounds to nearest (at most
+    2^-16) by Veltkamp's split (three fp32 operations, exact only when the kernel is compiled without FMA
+    contraction; |x| >= 2^128 / 257 becomes non-finite)."""
     if ROUNDING == 1:
-        bits = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7FC00000, bits)
-        bits = bits + 0x7F + ((bits >> 8) & 1)
+        big = x * 257.0
+        x = big - (big - x)
+    bits = x.to(tl.uint32, bitcast=True)
     a, b = tl.split(tl.reshape(bits, [x.shape[0], x.shape[1] // 2, 2]))
     return (a >> 16) | (b & 0xFFFF0000), (((a >> 8) & 0xFF) | (b & 0xFF00)).to(tl.uint16)
 
