@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 from helpers import assert_bitwise, tolerance
 
@@ -343,6 +344,20 @@ def test_rounded_partials(partial_dtype):
     assert moved > 0.0
     if partial_dtype == "float24":
         assert moved <= 2.0 ** -8, moved
+
+
+def test_pack24_rounds_to_nearest_only_without_fma_contraction():
+    """The float24 packing on the GPU, compiled as the contribution kernel is (``enable_fp_fusion=False``): every
+    normal value to its nearest 16-bit-significand neighbour (float64 oracle); compiled with contraction, Veltkamp's
+    split is not exact and some values miss it (why the kernel is built without it)."""
+    from helpers import pack24
+
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(4096) * 10.0 ** rng.uniform(-20, 20, 4096)).astype(np.float32)
+    assert pack24.nearest_or_tie(pack24.roundtrip(x, DEV), x).all()
+    fused = pack24.roundtrip(x, DEV, enable_fp_fusion=True)
+    print(f"[pack24] with FMA contraction {int((~pack24.nearest_or_tie(fused, x)).sum())} of 4096 values off")
+    assert not pack24.nearest_or_tie(fused, x).all()
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -37,13 +37,11 @@ from fleet_ext import capability
 capability.prepare_triton()
 torch = pytest.importorskip("torch")
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+from helpers import pack24  # noqa: E402
 
 from fleet_ext.ops import launch  # noqa: E402
 from fleet_ext.ops.sparse_attn import kernel  # noqa: E402
 from fleet_ext.ops.sparse_attn.function import sparse_attention_triton  # noqa: E402
-from fleet_ext.ops.sparse_attn.kernel_bwd import _pack24_pairs, _unpack24  # noqa: E402
 from fleet_ext.ops.sparse_attn.reference import sparse_attention_with_sink  # noqa: E402
 
 
@@ -201,49 +199,10 @@ def test_dkv_reduce_splits_long_rows_into_items(monkeypatch, max_partial_bytes):
         assert_close(planted[3], ref[3], "fp32", "triton_sparse_attn", what="planted: items of 4 pairs, sums of 3")
 
 
-@triton.jit
-def _pack24_roundtrip_kernel(X, HI, LO, Y, BLOCK: tl.constexpr, ROUNDING: tl.constexpr):
-    offs = tl.arange(0, BLOCK)[None, :]
-    pairs = tl.arange(0, BLOCK // 2)[None, :]
-    hi, lo = _pack24_pairs(tl.load(X + offs), ROUNDING)
-    tl.store(HI.to(tl.pointer_type(tl.uint32)) + pairs, hi)
-    tl.store(LO.to(tl.pointer_type(tl.uint16)) + pairs, lo)
-    tl.store(Y + offs, _unpack24(tl.load(HI + offs), tl.load(LO + offs)))
-
-
-def _pack24_roundtrip(x: np.ndarray, rounding: int) -> np.ndarray:
-    """The backward's 24-bit packing of fp32 contributions and back (``kernel_bwd._pack24_pairs`` / ``_unpack24``)."""
-    block = triton.next_power_of_2(x.size)
-    xt = torch.from_numpy(np.concatenate([x, np.zeros(block - x.size, np.float32)]))
-    hi, lo, y = torch.empty(block, dtype=torch.int16), torch.empty(block, dtype=torch.uint8), torch.empty_like(xt)
-    _pack24_roundtrip_kernel[(1,)](xt, hi, lo, y, BLOCK=block, ROUNDING=rounding)
-    return y.numpy()[: x.size]
-
-
-def _round_to_16_bits(x: np.ndarray, how: str) -> np.ndarray:
-    """Oracle: x rounded to a 16-bit significand (quantum 2^(e - 16) for x = m 2^e, m in [0.5, 1); fp32's
-    subnormals keep their fixed quantum 2^-141) in float64, ``how`` = "nearest_even", "toward_zero" or "half_up",
-    then to fp32 (2^128 overflows to inf)."""
-    x64 = x.astype(np.float64)
-    finite = np.isfinite(x64)
-    _, e = np.frexp(np.where(finite, x64, 1.0))
-    quantum = np.ldexp(1.0, np.maximum(e - 16, -141))
-    scaled = np.where(finite, x64, 0.0) / quantum
-    rounded = {"nearest_even": np.round, "toward_zero": np.trunc, "half_up": lambda v: np.floor(v + 0.5)}[how](scaled)
-    rounded = rounded * quantum
-    with np.errstate(over="ignore"):
-        return np.where(finite, rounded, x64).astype(np.float32)
-
-
-def _is_tie(x: np.ndarray) -> np.ndarray:
-    """fp32 values exactly halfway between two 16-bit-significand neighbours (low 8 bits 0x80)."""
-    return (x.view(np.uint32) & 0xFF) == 0x80
-
-
-@pytest.mark.parametrize("rounding, how", [(0, "toward_zero"), (1, "nearest")])
-def test_pack24_keeps_16_significant_bits(rounding, how):
-    """Specials (signed zeros, subnormals, the largest finite value, inf, NaN), ties both ways and random values
-    against the float64 oracle of each rounding; the other roundings' oracles fail on them."""
+def test_pack24_rounds_to_nearest_at_16_significant_bits():
+    """Specials (signed zeros, subnormals, the largest finite value, inf, NaN), ties both ways and random values:
+    normal values to their nearest 16-bit-significand neighbour (a tie to either), subnormals within 2^-141, the
+    largest values, inf and NaN non-finite; truncation's and half-up rounding's oracles fail on them."""
     rng = np.random.default_rng(3)
     tie_bits = np.array([0x3F800080, 0x3F800180, 0xBF800080, 0x00000080, 0x00000180], dtype=np.uint32)
     specials = np.array([0.0, -0.0, 1e-45, -3e-44, 1.17549435e-38, 3.4028235e38, -3.4028235e38, np.inf, -np.inf,
@@ -251,32 +210,21 @@ def test_pack24_keeps_16_significant_bits(rounding, how):
     x = np.concatenate([specials, tie_bits.view(np.float32),
                         (rng.standard_normal(200) * 10.0 ** rng.uniform(-30, 30, 200)).astype(np.float32)])
     with np.errstate(over="ignore", invalid="ignore"):  # the interpreter's x * 257 for the largest values
-        got = _pack24_roundtrip(x, rounding)
+        got = pack24.roundtrip(x)
     normal = np.isfinite(x) & (np.abs(x) >= 2.0 ** -126) & (np.abs(x) < 2.0 ** 128 / 257)
-    if how == "toward_zero":  # every value, the specials included: NaN stays NaN, inf inf, the largest finite
-        np.testing.assert_array_equal(np.isnan(got), np.isnan(x))
-        want = _round_to_16_bits(x, how)
-        assert_bitwise(got[~np.isnan(x)].view(np.uint32), want[~np.isnan(x)].view(np.uint32), "vs oracle")
-    else:  # normal values to nearest (a tie to either neighbour), subnormals within 2^-141, the rest non-finite
-        even, up = _round_to_16_bits(x, "nearest_even"), _round_to_16_bits(x, "half_up")
-        assert np.all((got[normal] == even[normal]) | (got[normal] == up[normal]))
-        assert np.all((got[normal] == even[normal]) | (x[normal] != x[normal]) | _is_tie(x[normal]))
-        sub = np.isfinite(x) & ~normal & (np.abs(x) < 2.0 ** -126)
-        assert np.all(np.abs(got[sub].astype(np.float64) - x[sub]) < 2.0 ** -141)
-        assert not np.isfinite(got[~np.isfinite(x) | (np.abs(x) >= 2.0 ** 128 / 257)]).any()
-    for other in {"toward_zero", "half_up", "nearest_even"} - {how, "nearest_even" if how == "nearest" else ""}:
-        assert not np.array_equal(got[normal], _round_to_16_bits(x, other)[normal]), other
+    assert np.all(pack24.nearest_or_tie(got[normal], x[normal]))
+    tiny = np.isfinite(x) & (np.abs(x) < 2.0 ** -126)
+    assert np.all(np.abs(got[tiny].astype(np.float64) - x[tiny]) < 2.0 ** -141)
+    assert not np.isfinite(got[~np.isfinite(x) | (np.abs(x) >= 2.0 ** 128 / 257)]).any()
+    for other in ("toward_zero", "half_up"):
+        assert not np.array_equal(got[normal], pack24.round_to_16_bits(x, other)[normal]), other
 
 
-@pytest.mark.parametrize("rounding, bound", [(0, 2.0 ** -15), (1, 2.0 ** -16)])
-def test_float24_contributions_stay_within_their_rounding_bound(monkeypatch, rounding, bound):
+def test_float24_contributions_stay_within_their_rounding_bound():
     """``partial_dtype="float24"``: out, lse, dq and d_sink byte-equal to the fp32 contributions' backward; dkv
-    within the rounding's bound (2^-15 truncated, 2^-16 to nearest) of the summed absolute contributions (plus the
-    fp32 sum's own rounding) and really rounded (some error above 2^-20 of it); byte-identical run to run, in one
-    query chunk and in chunks."""
-    from fleet_ext.ops.sparse_attn import kernel_config
-
-    monkeypatch.setattr(kernel_config, "PACK24_ROUNDING", rounding)
+    within 2^-16 of the summed absolute contributions (plus the fp32 sum's own rounding: the bound fails at 2^-17)
+    and really rounded (some error above 2^-20 of it); byte-identical run to run, in one query chunk and in
+    chunks."""
     num_t, heads, d_qk, d_v, n_kv, width = 9, 3, 48, 32, 6, 12
     q, kv, idx, sink, d_out, d_lse = make_case(41, num_t, heads, d_qk, d_v, n_kv, width)
     abs_sum = np.zeros((n_kv, d_qk))
@@ -294,7 +242,7 @@ def test_float24_contributions_stay_within_their_rounding_bound(monkeypatch, rou
                 assert_bitwise(a, c, f"float24 vs float32 contributions: {name}")
         err = np.abs(packed[3].astype(np.float64) - full[3])
         reads = int(np.bincount(idx[(idx >= 0) & (idx < n_kv)], minlength=n_kv).max())
-        assert np.all(err <= (bound + 2 * reads * 2.0 ** -24) * abs_sum), float((err / abs_sum).max())
+        assert np.all(err <= (2.0 ** -16 + 2 * reads * 2.0 ** -24) * abs_sum), float((err / abs_sum).max())
         assert (err > 2.0 ** -20 * abs_sum).any(), "float24 contributions were not rounded"
 
 

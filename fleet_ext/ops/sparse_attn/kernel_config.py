@@ -36,8 +36,6 @@ PARTIAL_CONFIGS_GPU = [
     {"BLOCK_M": 64, "num_warps": 4, "num_stages": 2},
     {"BLOCK_M": 64, "num_warps": 4, "num_stages": 1},
 ]
-# float24 contributions: 0 truncates, 1 rounds to nearest even (kernel_bwd._pack24_pairs).
-PACK24_ROUNDING = 1
 REDUCE_CONFIG_GPU = {"BLOCK_P": 16, "num_warps": 4, "num_stages": 1}
 _GPU = {"fwd": FWD_CONFIGS_GPU, "dq": DQ_CONFIGS_GPU, "partial": PARTIAL_CONFIGS_GPU}
 _INTERP = {"fwd": [{"BLOCK_N": 16}], "dq": [{"BLOCK_N": 16}], "partial": [{"BLOCK_M": 16}],
