@@ -58,10 +58,12 @@ class FusionConfig(Section):
         ("triton",),
     )
     sparse_attn_dkv_contribution_dtype: str = _key(
-        "float32",
-        "The triton sparse-attention backward's per-pair dkv contributions, summed in fp32 in a fixed order either "
-        "way (byte-identical run to run): float32, or bfloat16 (bf16/fp16 runs only; on the H200 the backward "
-        "1.20-1.38x faster, dkv's error against an fp32 reference 2.35e-3 -> 2.87e-3, benchmarks/RESULTS.md). "
-        "Needs a triton sparse-attention backend.",
-        ("float32", "bfloat16"),
+        "auto",
+        "How the triton sparse-attention backward stores its per-pair dkv contributions, summed in fp32 in a fixed "
+        "order in every case (byte-identical run to run): auto (float24 for bf16/fp16 runs, float32 for fp32 ones), "
+        "float32, float24 (rounded to nearest at 16 significant bits, 3 bytes: on the H200 the backward 1.06-1.17x "
+        "faster than float32, dkv's error against an fp32 reference unchanged to three digits), or bfloat16 "
+        "(bf16/fp16 runs only; 1.20-1.40x, that error 2.35e-3 -> 2.87e-3; benchmarks/RESULTS.md). Set anything but "
+        "auto only with a triton sparse-attention backend.",
+        ("auto", "float32", "float24", "bfloat16"),
     )

@@ -87,8 +87,9 @@ class BackendProvider:
         self._rows.append(ResolvedSwitch(
             "sparse_attn_dkv_contribution_dtype", contributions,
             "the Triton backward's per-pair dkv contributions, summed in fp32" if uses_triton else "unused",
-            "float32 unless set; bfloat16 (bf16/fp16 runs only): backward 1.20-1.38x on the H200, dkv error vs an fp32 "
-            "reference 2.35e-3 -> 2.87e-3 (benchmarks/RESULTS.md)"))
+            "auto: float24 (16 significant bits) for bf16/fp16 runs, float32 for fp32 ones; float24 backward "
+            "1.06-1.17x on the H200 at an unchanged dkv error, bfloat16 1.20-1.40x at 2.35e-3 -> 2.87e-3 "
+            "(benchmarks/RESULTS.md)"))
 
     def _note_hopper_experts(self) -> None:
         """On Hopper the experts' gate+up and weight gradients take warp-specialised Gluon kernels for small expert

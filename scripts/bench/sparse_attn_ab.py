@@ -214,6 +214,9 @@ def time_variants(row: dict, fwd, bwd) -> None:
         "bm64w4s3": {"BLOCK_M": 64, "num_warps": 4, "num_stages": 3}}, bwd, 5, 30, 3)
 
 
+STORED = [d for d in kernel.PARTIAL_DTYPES if d != "auto"]  # the ways of storing contributions ("auto" picks one)
+
+
 def partial_dtype_error(row: dict, bwd, q, kv, idx, sink, d_out, scale: float, d_v: int, eager) -> None:
     """--partial-dtype: the backward with each way of storing the per-pair dkv contributions, each against an
     fp32 reference (``eager``, the gather-softmax on fp32 copies of the same inputs, autograd): dq and dkv relative
@@ -232,7 +235,7 @@ def partial_dtype_error(row: dict, bwd, q, kv, idx, sink, d_out, scale: float, d
         return float((a.float() - b).norm() / b.norm())
 
     dkv_full = bwd(partial_dtype="float32")[1].float()
-    for dtype in kernel.PARTIAL_DTYPES:
+    for dtype in STORED:
         dq, dkv, _ = bwd(partial_dtype=dtype)
         row[f"partial_{dtype}"] = {"dq_rel": rel(dq, dq_ref), "dkv_rel": rel(dkv, dkv_ref),
                                    "dkv_hot_rows_rel": rel(dkv[hot], dkv_ref[hot]),
@@ -240,9 +243,9 @@ def partial_dtype_error(row: dict, bwd, q, kv, idx, sink, d_out, scale: float, d
                                    "hot_rows": int(hot.sum()), "hot_min_reads": int(reads[hot].min()),
                                    "kernels_ms": kernel_breakdown(lambda d=dtype: bwd(partial_dtype=d))}
     del dq, dkv, dkv_full
-    rounds = {dtype: [] for dtype in kernel.PARTIAL_DTYPES}
+    rounds = {dtype: [] for dtype in STORED}
     for _ in range(3):
-        for dtype in kernel.PARTIAL_DTYPES:
+        for dtype in STORED:
             rounds[dtype].append(median_ms(lambda d=dtype: bwd(partial_dtype=d), warmup=5, rep=40))
     for dtype, times in rounds.items():
         row[f"partial_{dtype}"].update(bwd_ms=sorted(times)[1], bwd_rounds_ms=times)
@@ -250,4 +253,4 @@ def partial_dtype_error(row: dict, bwd, q, kv, idx, sink, d_out, scale: float, d
     print(f"  {row['shape']} partial dtype (vs fp32 reference): " + ", ".join(
         f"{k}: dq {v['dq_rel']:.2e} dkv {v['dkv_rel']:.2e} hot rows {v['dkv_hot_rows_rel']:.2e} "
         f"({v['hot_rows']} rows, >= {v['hot_min_reads']} reads) bwd {v['bwd_ms']:.2f} ms"
-        for k, v in ((d, row[f"partial_{d}"]) for d in kernel.PARTIAL_DTYPES)), flush=True)
+        for k, v in ((d, row[f"partial_{d}"]) for d in STORED)), flush=True)

@@ -166,7 +166,11 @@ def test_paddlefleet_only_keys_raise_remove_it(key):
         ({"sparse_attn_dkv_contribution_dtype": "bfloat16"},
          r"`sparse_attn_dkv_contribution_dtype` = 'bfloat16' can never run: .*neither sparse-attention backend is "
          r"triton.*set `csa_sparse_attn_backend: triton`"),
-        ({"sparse_attn_dkv_contribution_dtype": "float16"}, r"allowed one of \['float32', 'bfloat16'\]"),
+        ({"sparse_attn_dkv_contribution_dtype": "float24"},
+         r"`sparse_attn_dkv_contribution_dtype` = 'float24' can never run: .*neither sparse-attention backend is "
+         r"triton.*`sparse_attn_dkv_contribution_dtype: auto`"),
+        ({"sparse_attn_dkv_contribution_dtype": "float16"},
+         r"allowed one of \['auto', 'float32', 'float24', 'bfloat16'\]"),
     ],
 )
 def test_invalid_values_name_key_allowed_and_fix(overrides, pattern):
@@ -287,6 +291,7 @@ _MODE_NEEDS = {  # a mode other than its key's default needs the switch it refin
     ("inv_rope_postmix_mode", "fast"): {"use_vha_attention": True, "apply_rope_fusion": True,
                                         "fuse_inv_rope_into_vha_postmix": True},
     ("sparse_attn_dkv_contribution_dtype", "bfloat16"): {"csa_sparse_attn_backend": "triton"},
+    ("sparse_attn_dkv_contribution_dtype", "float24"): {"csa_sparse_attn_backend": "triton"},
 }
 
 

@@ -159,11 +159,13 @@ def test_dense_phases_with_the_triton_backend_are_bitwise_under_full_recompute(p
         assert_bitwise(got[key], want[key], f"{phase}, full recompute: {key}")
 
 
-def test_dkv_contribution_dtype_reaches_the_backward(monkeypatch):
-    """``sparse_attn_dkv_contribution_dtype`` reaches every backward call of the triton backend (the spy records
-    what ``sparse_attn_bwd`` is given). Its effect is a GPU one: fp32 inputs, as here, keep fp32 contributions
-    (kernel.py), and bf16 contributions are tested against the fp32 reference in
-    tests/gpu/test_sparse_attn_gpu.py::test_bf16_partials."""
+@pytest.mark.parametrize("choice", ["auto", "float24", "bfloat16"])
+def test_dkv_contribution_dtype_reaches_the_backward(monkeypatch, choice):
+    """``sparse_attn_dkv_contribution_dtype`` (auto when unset) reaches every backward call of the triton backend (the
+    spy records what ``sparse_attn_bwd`` is given). On fp32 inputs, as here, auto and bfloat16 keep fp32
+    contributions (kernel.partial_storage); float24 is tested against the float64 oracle in
+    test_sparse_attn_triton.py, the rounded kinds against the fp32 reference on the GPU
+    (tests/gpu/test_sparse_attn_gpu.py::test_rounded_partials)."""
     from fleet_ext.ops.sparse_attn import kernel
 
     seen = []
@@ -174,5 +176,6 @@ def test_dkv_contribution_dtype_reaches_the_backward(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(kernel, "sparse_attn_bwd", spy)
-    _run({"csa_sparse_attn_backend": "triton", "sparse_attn_dkv_contribution_dtype": "bfloat16"})
-    assert seen and set(seen) == {"bfloat16"}, seen
+    overrides = {} if choice == "auto" else {"sparse_attn_dkv_contribution_dtype": choice}
+    _run({"csa_sparse_attn_backend": "triton", **overrides})
+    assert seen and set(seen) == {choice}, seen

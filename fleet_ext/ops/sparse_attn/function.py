@@ -155,15 +155,16 @@ def sparse_attention_triton(
     remap=local_to_global_flat,
     d_v: int | None = None,
     q_offset: int = 0,
-    partial_dtype: str = "float32",
+    partial_dtype: str = "auto",
 ) -> tuple[paddle.Tensor, paddle.Tensor]:
     """q [B, S, H, d], kv [B, N, d], idx [B, S, K] int (-1 invalid), sink [H] fp32 -> (out [B,S,H,d_v], lse [B,S,H]).
 
     Same contract as ``reference.sparse_attention_with_sink``: ``lse`` includes the sink, ``remap`` turns
     local ids into flat ids, ``d_v`` (default d) keeps the first ``d_v`` channels as the value.
     ``idx=None``: dense causal, query i (global position ``q_offset + i``) attends keys ``0 .. q_offset + i``
-    (``q_offset`` is read only then). ``partial_dtype``: the backward's per-pair dkv contributions (bf16/fp16
-    inputs only; the config key ``sparse_attn_dkv_contribution_dtype``); the dense causal mode has none.
+    (``q_offset`` is read only then). ``partial_dtype``: how the backward stores its per-pair dkv contributions
+    (``kernel.PARTIAL_DTYPES``; the config key ``sparse_attn_dkv_contribution_dtype``); the dense causal mode has
+    none.
     """
     _validate(q, kv, idx, sink, d_v)
     batch, seq, heads, _ = q.shape

@@ -372,15 +372,19 @@ def _pair_buffers(q: Any, kv: Any, idx: Any, dkv: Any, num_t: int, heads: int, d
                         items_chunk, items_bound, item_start, item_row, split)
 
 
-# The backward's per-pair dkv contributions (``partial_dtype``), summed in fp32 in a fixed order in every case:
-# "float32"; "float24", fp32 rounded to nearest even at 16 significant bits and stored in 3 bytes (a relative
-# error of at most 2^-16 per contribution, whatever the input dtype); "bfloat16", for bf16/fp16 inputs only (fp32
-# inputs keep fp32 contributions).
-PARTIAL_DTYPES = ("float32", "float24", "bfloat16")
+# How the backward stores its per-pair dkv contributions (``partial_dtype``), summed in fp32 in a fixed order in
+# every case: "float32"; "float24", fp32 rounded to nearest at 16 significant bits in 3 bytes (a relative error of
+# at most 2^-16 per contribution, whatever the input dtype: 128x below a bf16 rounding, and dkv is bf16 when the
+# inputs are); "bfloat16", for bf16/fp16 inputs only (fp32 inputs keep fp32); "auto", float24 for bf16/fp16
+# inputs and float32 for fp32 ones (benchmarks/RESULTS.md: the backward 1.06-1.17x on the H200, dkv's error
+# against an fp32 reference unchanged to three digits).
+PARTIAL_DTYPES = ("auto", "float32", "float24", "bfloat16")
 
 
 def partial_storage(partial_dtype: str, input_dtype: str) -> str:
-    """How the contributions are stored: ``partial_dtype``, except bfloat16 for fp32 inputs (kept fp32)."""
+    """How the contributions are stored for inputs of ``input_dtype`` (``PARTIAL_DTYPES``)."""
+    if partial_dtype == "auto":
+        return "float32" if input_dtype == "float32" else "float24"
     return "float32" if partial_dtype == "bfloat16" and input_dtype == "float32" else partial_dtype
 
 
@@ -517,14 +521,14 @@ def _bwd_chunk(call: _BwdCall, bufs: _PairBuffers, c: int) -> None:
 
 def sparse_attn_bwd(q: Any, kv: Any, idx: Any, sink: Any, scale: float, out: Any, lse: Any, d_out: Any,
                     d_lse: Any = None, d_v: int | None = None, topk_length: Any = None,
-                    partial_dtype: str = "float32", max_partial_bytes: int = 4 << 30,
+                    partial_dtype: str = "auto", max_partial_bytes: int = 4 << 30,
                     derive_bound: bool = True) -> tuple[Any, Any, Any]:
     """Deterministic backward -> (dq [T, H, d_qk] like q, dkv [N, d_qk] like kv, d_sink [H] fp32).
 
     ``out``/``lse`` are the forward's outputs, ``d_out`` [T, H, d_v], ``d_lse`` [T, H] (optional, the
     gradient reaching the returned LSE). ``partial_dtype`` is how the per-pair dkv contributions are stored
-    (``PARTIAL_DTYPES``: "float24" cuts their round trip through memory by a quarter, "bfloat16" by half, each at
-    the cost of rounding every contribution);
+    (``PARTIAL_DTYPES``: "float24", the default for bf16/fp16 inputs, cuts their round trip through memory by a
+    quarter, "bfloat16" by half, each at the cost of rounding every contribution);
     ``max_partial_bytes`` bounds the pair buffers (queries are processed in chunks under it);
     ``derive_bound`` as in ``sparse_attn_fwd`` (byte-identical gradients either way).
     """
