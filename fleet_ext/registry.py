@@ -555,8 +555,8 @@ def config_errors(config: Any) -> list[tuple[str, Any, str, str]]:
             errors.append((switch, value, f"the {value} backend is not supported yet in fleet_ext",
                            f"set `{switch}: unfused`"))
     contributions = config.fusion.sparse_attn_dkv_contribution_dtype
-    if contributions not in ("auto", "float32") and "triton" not in (config.fusion.csa_sparse_attn_backend,
-                                                       config.fusion.mqa_sparse_attn_backend):
+    uses_triton = "triton" in (config.fusion.csa_sparse_attn_backend, config.fusion.mqa_sparse_attn_backend)
+    if contributions not in ("auto", "float32") and not uses_triton:
         errors.append(("sparse_attn_dkv_contribution_dtype", contributions,
                        "it sets the triton sparse-attention backward's dkv contributions, and neither sparse-attention "
                        "backend is triton", "set `csa_sparse_attn_backend: triton` (or `mqa_sparse_attn_backend`) or "

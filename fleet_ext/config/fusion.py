@@ -63,7 +63,7 @@ class FusionConfig(Section):
         "order in every case (byte-identical run to run): auto (float24 for bf16/fp16 runs, float32 for fp32 ones), "
         "float32, float24 (rounded to nearest at 16 significant bits, 3 bytes: on the H200 the backward 1.06-1.17x "
         "faster than float32, dkv's error against an fp32 reference unchanged to three digits), or bfloat16 "
-        "(bf16/fp16 runs only; 1.20-1.40x, that error 2.35e-3 -> 2.87e-3; benchmarks/RESULTS.md). Set anything but "
-        "auto only with a triton sparse-attention backend.",
+        "(bf16/fp16 runs only; 1.20-1.39x, that error 2.35e-3 -> 2.87e-3; benchmarks/RESULTS.md). float24 and "
+        "bfloat16 need a triton sparse-attention backend.",
         ("auto", "float32", "float24", "bfloat16"),
     )

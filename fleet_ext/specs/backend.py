@@ -88,7 +88,7 @@ class BackendProvider:
             "sparse_attn_dkv_contribution_dtype", contributions,
             "the Triton backward's per-pair dkv contributions, summed in fp32" if uses_triton else "unused",
             "auto: float24 (16 significant bits) for bf16/fp16 runs, float32 for fp32 ones; float24 backward "
-            "1.06-1.17x on the H200 at an unchanged dkv error, bfloat16 1.20-1.40x at 2.35e-3 -> 2.87e-3 "
+            "1.06-1.17x on the H200 at an unchanged dkv error, bfloat16 1.20-1.39x at 2.35e-3 -> 2.87e-3 "
             "(benchmarks/RESULTS.md)"))
 
     def _note_hopper_experts(self) -> None:

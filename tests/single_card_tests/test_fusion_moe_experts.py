@@ -240,17 +240,30 @@ def test_load_paths_and_grid_kinds_give_the_same_bytes():
 
 
 def test_d_gate_up_epilogue_in_quarters_gives_the_halves_bytes(monkeypatch):
-    """From 256 columns a tile's d_gate_up epilogue runs in column quarters (else halves): the same bytes as 16-column
-    tiles (halves), with an empty expert and rows past the counts. Negative control: quarters stored in the wrong
-    order (the middle two swapped) fail the bitwise check."""
-    x, counts, w1, w2, g = _data(21, 16, 256, 3, 2, "empty_experts", 1.0)
-    x = np.concatenate([x, np.ones((2, x.shape[1]), "float32")])
-    g = np.concatenate([g, np.ones((2, g.shape[1]), "float32")])
-    halves = _run(function.experts, x, counts, w1, w2, g, 1.0)
+    """From 256 columns a tile's d_gate_up epilogue runs in column quarters (else halves): ``gate_up_backward``'s
+    d_gate_up and h are the same bytes as with 16-column tiles (halves), with an empty expert. ``d_out`` and ``W2``
+    are multiples of 1/8 in [-1, 1], so ``d_h = d_out @ W2^T`` is exact in fp32 whatever order the interpreter's
+    matmul sums in (its BLAS's order can depend on the tile width: on some machines a 16-column and a 256-column
+    product differ in the last bit); the epilogue is what is compared. Negative control: quarters stored in the
+    wrong order (the middle two swapped) fail the bitwise check."""
+    import torch
+
+    _, counts, _, _, _ = _data(21, 16, 256, 3, 2, "empty_experts", 1.0)
+    rng = np.random.default_rng(5)
+    n, dim, inter, experts = int(counts.sum()), 16, 256, len(counts)
+    d_out = torch.from_numpy((rng.integers(-8, 9, (n, dim)) / 8).astype("float32"))
+    w2 = torch.from_numpy((rng.integers(-8, 9, (experts, inter, dim)) / 8).astype("float32"))
+    gate_up = torch.from_numpy((2.0 * rng.standard_normal((n, 2 * inter))).astype("float32"))
+    counts_t = torch.from_numpy(counts)
+
+    def run():
+        return dict(zip(("d_gate_up", "h"), kernel_bwd.gate_up_backward(d_out, counts_t, w2, gate_up, 1.0)))
+
+    halves = run()
     monkeypatch.setattr(kernel, "INTERPRETER_TILE", (16, 256, 16, 1, 4, 1))
-    quarters = _run(function.experts, x, counts, w1, w2, g, 1.0)
+    quarters = run()
     for key in halves:
-        assert_bitwise(quarters[key], halves[key], f"d_gate_up epilogue quarters: {key}")
+        assert_bitwise(quarters[key].numpy(), halves[key].numpy(), f"d_gate_up epilogue quarters: {key}")
     split = kernel_bwd._halves.fn
     calls = []
 
@@ -260,9 +273,9 @@ def test_d_gate_up_epilogue_in_quarters_gives_the_halves_bytes(monkeypatch):
         return (b, a) if len(calls) == 2 else (a, b)
 
     monkeypatch.setattr(kernel_bwd, "_halves", swapped)
-    planted = _run(function.experts, x, counts, w1, w2, g, 1.0)
+    planted = run()
     with pytest.raises(AssertionError):
-        assert_bitwise(planted["d_rows"], halves["d_rows"], "planted: quarters swapped")
+        assert_bitwise(planted["d_gate_up"].numpy(), halves["d_gate_up"].numpy(), "planted: quarters swapped")
 
 
 def test_the_warp_specialised_kernels_never_run_here_and_forcing_them_names_why(monkeypatch):

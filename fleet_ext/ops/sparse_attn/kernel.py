@@ -481,8 +481,8 @@ def _bwd_pairs(call: _BwdCall, bufs: _PairBuffers, t0: int, tc: int) -> tuple[in
         (d_qk, d_v, h_pad, dtype_name(q), call.partial_dtype), configs_for("partial"),
         q, call.d_out, call.topk, bufs.p_buf, bufs.ds_buf, bufs.part, bufs.part_lo,
         heads, width, t0, h_pad, heads * d_qk, d_qk, heads * d_v, d_v, d_qk, d_qk // 2,
-        BLOCK_HP=h_pad, BLOCK_D=min(d_v, 16 if interp else 64), PACK24=bufs.packed24,
-        enable_fp_fusion=False, **call.meta(),  # exact rounding of float24 contributions (kernel_bwd._pack24_pairs)
+        BLOCK_HP=h_pad, BLOCK_D=min(d_v, 16 if interp else 64), PACK24=bufs.packed24, **call.meta(),
+        **({"enable_fp_fusion": False} if bufs.packed24 else {}),  # the packing's exact rounding (_pack24_pairs)
     )
     launch(_csr_keys_kernel, (tc, triton.cdiv(width, 128 if not interp else 16)), call.idx, call.topk, bufs.keys,
            call.n_kv, width, t0, width, BLOCK=128 if not interp else 16,
