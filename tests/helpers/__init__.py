@@ -8,7 +8,9 @@
 - ``oracles``: independent float64 NumPy oracles (``from helpers import oracles as orc``);
 - ``torch_rope``: the RoPE reference's op sequence in eager torch;
 - ``transfers``: ``HostTransfers``, counts host round trips (``from helpers.transfers import HostTransfers``);
-- ``gpu``: ``CUDA_ONLY``, the skip of every ``tests/gpu`` module (imports torch; not imported here).
+- ``gpu``: ``CUDA_ONLY``, the skip of every ``tests/gpu`` module (imports torch; not imported here);
+- ``pack24``: the sparse-attention backward's float24 packing as a round-trip test kernel and its float64 rounding
+  oracle (imports torch and Triton; not imported here).
 
 Importable from every test directory (tests/conftest.py puts ``tests/`` on ``sys.path``); imports neither
 Paddle nor torch, so tests/gpu can use it on a machine without Paddle.
