@@ -37,6 +37,7 @@ from fleet_ext.layers import index_tables
 from fleet_ext.layers.compressor import Compressor
 from fleet_ext.layers.csa_indexer import CSAIndexer
 from fleet_ext.layers.dsa_indexer import DSAIndexerLossAutoScaler, gather_rows, indexer_kl_loss
+from fleet_ext.ops.sparse_attn.band import Band
 from fleet_ext.parallel.cp_collectives import gather_sequence, halo_from_previous
 from fleet_ext.parallel.layout import SequenceLayout
 from fleet_ext.parallel.recompute import recording, replayed
@@ -87,6 +88,23 @@ class CompressedSparseAttention(FleetLayer):
         halo = self.halo_rows(layout)
         return paddle.concat([halo_from_previous(kv, halo, layout), kv], axis=1) if halo else kv
 
+    def slot_bands(self, layout: SequenceLayout) -> tuple[Band, ...]:
+        """Where ``index_table`` puts keys by position (``band.Band``): the window in slots [0, W) and HCA's entries
+        in order after it; the Triton backward sums their dkv key-major (the reference ignores this). Only where the
+        bands cover the whole table (window-only and HCA layers): beside CSA's picks the window band made the
+        backward slower on the H200 (19.43 -> 19.92 ms at s 16384; HCA 7.70 -> 6.34, benchmarks/RESULTS.md)."""
+        if self.kind is LayerKind.FULL_CAUSAL or self.indexer is not None:
+            return ()
+        halo = self.halo_rows(layout)
+        first_key = layout.offset - halo if layout.cp_size > 1 else 0
+        width = min(self.window, layout.global_len)
+        bands = (Band(0, width, 1, layout.offset - first_key - width + 1),) if width > 0 else ()
+        entries = layout.global_len // self.ratio if self.compressor is not None else 0
+        if entries > 0:  # HCA: entry c in slot W + c, at kv_full row raw_keys + c
+            raw_keys = halo + layout.local_len if layout.cp_size > 1 else layout.global_len
+            bands += (Band(width, entries, 0, raw_keys - width),)
+        return bands
+
     def index_table(
         self, x: paddle.Tensor, q_latent: paddle.Tensor, layout: SequenceLayout, picked: paddle.Tensor | None = None
     ) -> paddle.Tensor:
@@ -131,7 +149,8 @@ class CompressedSparseAttention(FleetLayer):
         if self._trains_indexer(layout):
             return self._forward_with_indexer_loss(query, kv_full, entries, x, q_latent, layout, loss_mask)
         table = self.index_table(x, q_latent, layout)
-        out, _ = self._sparse_attn(query, kv_full, table, self.attn_sink, self.scale)
+        out, _ = self._sparse_attn(query, kv_full, table, self.attn_sink, self.scale,
+                                   slot_bands=self.slot_bands(layout))
         return out
 
     def _trains_indexer(self, layout: SequenceLayout) -> bool:
@@ -152,7 +171,8 @@ class CompressedSparseAttention(FleetLayer):
         q_i, k_i, w_i = self.indexer.parts(x.detach(), q_latent.detach(), layout)
         picked, _ = replayed("CSAIndexer", lambda: self.indexer.select(q_i, k_i, w_i, layout))
         table = self.index_table(x, q_latent, layout, picked)
-        out, lse = self._sparse_attn(query, kv_full, table, self.attn_sink, self.scale)
+        out, lse = self._sparse_attn(query, kv_full, table, self.attn_sink, self.scale,
+                                     slot_bands=self.slot_bands(layout))
         student = self.indexer.gathered_scores(q_i, k_i, w_i, picked)  # [b, s, k]
         with paddle.no_grad():  # the teacher's logits at the picks: the rows of kv_full the attention read
             chosen = gather_rows(entries.astype("float32"), picked)  # [b, s, k, d]

@@ -3,10 +3,11 @@
 Run on the H200 (torch + Triton, no Paddle), from the repository root:
 
     python scripts/bench/bench_sparse_attn.py [--out DIR] [--shapes NAME ...] [--compare] [--baselines] [--variants]
-        [--reduce-ab] [--dq-ab] [--partial-ab] [--dense [--dense-shapes NAME ...] [--dense-table] [--dense-variants]]
+        [--reduce-ab] [--dq-ab] [--partial-ab] [--band-ab]
+        [--dense [--dense-shapes NAME ...] [--dense-table] [--dense-variants]]
 
-The A/B and launch-setting sweeps (``--compare``, ``--variants``, ``--reduce-ab``, ``--dq-ab``, ``--partial-ab``)
-live in ``sparse_attn_ab.py``.
+The A/B and launch-setting sweeps (``--compare``, ``--variants``, ``--reduce-ab``, ``--dq-ab``, ``--partial-ab``,
+``--band-ab``) live in ``sparse_attn_ab.py``.
 
 Shapes (one sequence, B = 1; the kernels see the flat layout T = B * S):
 - ``v32_s{4096,16384}_h{64,128}``: DeepSeek-V3.2 DSA latent MQA, d_qk 576 / d_v 512, 2048 index slots per
@@ -61,7 +62,7 @@ import sparse_attn_ab as ab  # noqa: E402
 from sparse_attn_ab import kernel_breakdown, median_ms  # noqa: E402
 
 from fleet_ext.ops import launch  # noqa: E402
-from fleet_ext.ops.sparse_attn import kernel, kernel_config  # noqa: E402
+from fleet_ext.ops.sparse_attn import band, kernel, kernel_config  # noqa: E402
 
 DEV = "cuda"
 ANCHORS = {"flashmla_fwd_h800": 640.0, "tilelang_fwd_h800": 600.0, "tilelang_bwd_h200": 115.0}
@@ -121,12 +122,14 @@ def make_shape(name: str) -> dict:
         heads = int(rest[0][1:])
         return {"name": name, "seq": seq, "heads": heads, "d_qk": 576, "d_v": 512, "n_kv": seq,
                 "idx": lambda: v32_index(seq)}
+    window = band.Band(0, 128, 1, -127)  # v4_index's window: slot j of query t holds key t - 127 + j
     if kind == "v4csa":
         return {"name": name, "seq": seq, "heads": 64, "d_qk": 512, "d_v": 512, "n_kv": seq + seq // 4,
-                "idx": lambda: v4_index(seq, 4, 512)}
-    if kind == "v4hca":
+                "idx": lambda: v4_index(seq, 4, 512), "bands": band.SlotBands(seq, seq + seq // 4, (window,))}
+    if kind == "v4hca":  # ... and slot 128 + c entry c (row seq + c)
         return {"name": name, "seq": seq, "heads": 64, "d_qk": 512, "d_v": 512, "n_kv": seq + seq // 128,
-                "idx": lambda: v4_index(seq, 128, None)}
+                "idx": lambda: v4_index(seq, 128, None), "bands": band.SlotBands(
+                    seq, seq + seq // 128, (window, band.Band(128, seq // 128, 0, seq - 128)))}
     raise ValueError(f"unknown shape {name}")
 
 
@@ -328,6 +331,8 @@ def bench_shape(shape: dict, args, rows: list) -> None:
         ab.time_partial_configs(row, fl, bwd)
     if args.partial_dtype:
         ab.partial_dtype_error(row, bwd, q, kv, idx, sink, d_out, scale, d_v, eager_sparse_attn)
+    if args.band_ab and shape.get("bands") is not None:
+        ab.band_ab(row, bwd, shape["bands"], q, kv, idx, sink, d_out, scale, d_v, eager_sparse_attn)
     _print_row(shape, row)
     if args.baselines:
         _time_eager(row, fl, args, q, kv, idx, sink, d_out, scale, d_v)
@@ -354,6 +359,8 @@ def main() -> None:
                         help="fp32 vs bf16 dkv contributions: errors against an fp32 reference, backward times")
     parser.add_argument("--dq-kernel", choices=["auto", "triton", "gluon"], default=None,
                         help="kernel_config.DQ_KERNEL for the whole run (sparse and dense backward)")
+    parser.add_argument("--band-ab", action="store_true",
+                        help="DSv4 shapes: the window (and HCA's entries) as band slots vs the CSR path")
     parser.add_argument("--dq-ab", action="store_true", help="the Triton dq kernel vs the warp-specialised Gluon one")
     parser.add_argument("--eager-max-seq", type=int, default=4096)
     parser.add_argument("--dense", action="store_true", help="dense causal mode rows (bench_sparse_attn_dense.py)")

@@ -256,3 +256,73 @@ def partial_dtype_error(row: dict, bwd, q, kv, idx, sink, d_out, scale: float, d
         f"{k}: dq {v['dq_rel']:.2e} dkv {v['dkv_rel']:.2e} hot rows {v['dkv_hot_rows_rel']:.2e} "
         f"({v['hot_rows']} rows, >= {v['hot_min_reads']} reads) bwd {v['bwd_ms']:.2f} ms"
         for k, v in ((d, row[f"partial_{d}"]) for d in STORED)), flush=True)
+
+
+BAND_VARIANTS = {  # --band-ab: launch settings of the band kernel tried beside the default
+    "k64d128w4s2": {"BLOCK_K": 64, "BLOCK_D": 128, "num_warps": 4, "num_stages": 2},
+    "k64d128w4s3": {"BLOCK_K": 64, "BLOCK_D": 128, "num_warps": 4, "num_stages": 3},
+    "k64d128w8s3": {"BLOCK_K": 64, "BLOCK_D": 128, "num_warps": 8, "num_stages": 3},
+    "k64d256w8s2": {"BLOCK_K": 64, "BLOCK_D": 256, "num_warps": 8, "num_stages": 2},
+    "k128d128w8s2": {"BLOCK_K": 128, "BLOCK_D": 128, "num_warps": 8, "num_stages": 2},
+    "k128d128w8s3": {"BLOCK_K": 128, "BLOCK_D": 128, "num_warps": 8, "num_stages": 3},
+    "k64d64w4s4": {"BLOCK_K": 64, "BLOCK_D": 64, "num_warps": 4, "num_stages": 4},
+}
+
+
+def band_ab(row: dict, bwd, bands, q, kv, idx, sink, d_out, scale: float, d_v: int, eager) -> None:
+    """--band-ab: the backward with the table's band slots (``band.SlotBands``: the window, HCA's entries) summed
+    key-major against the CSR path for every slot: errors of both against an fp32 reference (``eager``), dq and
+    d_sink byte-equal, run-to-run bytes, per-kernel breakdowns, three alternating rounds (the middle one), then the
+    band kernel's launch settings (``BAND_VARIANTS``), each with its dkv error against the fp32 reference (their
+    sums differ in tile order, so no two are byte-equal)."""
+    from fleet_ext.ops.sparse_attn import band_bwd
+
+    leaves = [t.detach().float().requires_grad_(True) for t in (q, kv)]
+    out_ref, _ = eager(leaves[0], leaves[1], idx, sink, scale, d_v)
+    out_ref.backward(d_out.float())
+    dq_ref, dkv_ref = leaves[0].grad, leaves[1].grad
+    del out_ref, leaves
+
+    def rel(a, b):
+        return float((a.float() - b).norm() / b.norm())
+
+    saved_min, band_bwd.BAND_MIN_QUERIES_GPU = band_bwd.BAND_MIN_QUERIES_GPU, 0  # timed at every size
+    plain, banded, again = bwd(), bwd(slot_bands=bands), bwd(slot_bands=bands)
+    torch.cuda.synchronize()
+    row["bands"] = {"bands": repr(bands), "dkv_rel_plain": rel(plain[1], dkv_ref),
+                    "dkv_rel_bands": rel(banded[1], dkv_ref),
+                    "dq_rel": rel(banded[0], dq_ref), "dq_dsink_bytes_equal": bool(
+                        torch.equal(plain[0], banded[0]) and torch.equal(plain[2], banded[2])),
+                    "bitwise_repeat": all(torch.equal(a, b) for a, b in zip(banded, again)),
+                    "kernels_ms_plain": kernel_breakdown(bwd),
+                    "kernels_ms_bands": kernel_breakdown(lambda: bwd(slot_bands=bands))}
+    del plain, banded, again
+    times = {"plain": [], "bands": []}
+    for _ in range(3):
+        times["plain"].append(median_ms(bwd, warmup=5, rep=40))
+        times["bands"].append(median_ms(lambda: bwd(slot_bands=bands), warmup=5, rep=40))
+    row["bands"].update({f"bwd_{k}_ms": sorted(v)[1] for k, v in times.items()}, rounds_ms=times)
+    saved = dict(band_bwd.BAND_CONFIG_GPU)
+    variants = {}
+    try:
+        for name, cfg in BAND_VARIANTS.items():
+            band_bwd.BAND_CONFIG_GPU.clear()
+            band_bwd.BAND_CONFIG_GPU.update(cfg)
+            try:
+                grads = bwd(slot_bands=bands)
+                variants[name] = {"dkv_rel": rel(grads[1], dkv_ref), "bwd_ms": median_ms(
+                    lambda: bwd(slot_bands=bands), warmup=5, rep=40),
+                    "band_ms": kernel_breakdown(lambda: bwd(slot_bands=bands)).get("_bwd_dkv_band_kernel")}
+            except Exception as exc:  # noqa: BLE001 - a setting that does not fit is recorded, not fatal
+                variants[name] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+    finally:
+        band_bwd.BAND_CONFIG_GPU.clear()
+        band_bwd.BAND_CONFIG_GPU.update(saved)
+        band_bwd.BAND_MIN_QUERIES_GPU = saved_min
+    row["bands"]["variants"] = variants
+    torch.cuda.empty_cache()
+    b = row["bands"]
+    print(f"  {row['shape']} bands: bwd {b['bwd_plain_ms']:.2f} -> {b['bwd_bands_ms']:.2f} ms, dkv err "
+          f"{b['dkv_rel_plain']:.2e} -> {b['dkv_rel_bands']:.2e}, dq/d_sink bytes equal {b['dq_dsink_bytes_equal']}, "
+          f"repeat {b['bitwise_repeat']}; variants " + ", ".join(
+              f"{k} {v.get('bwd_ms', float('nan')):.2f}" for k, v in variants.items()), flush=True)

@@ -323,6 +323,52 @@ def test_hca_rows_split_into_reduce_items(chunk, monkeypatch):
     assert launch.LAUNCH_COUNTS["_bwd_dkv_combine_kernel"] > before
 
 
+def csa_index(seq: int, gen: torch.Generator, window: int = 128, ratio: int = 4, topk: int = 512) -> torch.Tensor:
+    """DSv4 CSA's table: the ``window`` latest raw keys, then ``topk`` random visible compressed entries (kv rows
+    seq + c, c < (t + 1) / ratio), -1 padded."""
+    t = torch.arange(seq, device=DEV)[:, None]
+    score = torch.rand((seq, seq // ratio), device=DEV, generator=gen)
+    score = torch.where(torch.arange(seq // ratio, device=DEV)[None, :] < (t + 1) // ratio, score, -1.0)
+    val, pick = torch.topk(score, topk, dim=-1)
+    return torch.cat([hca_index(seq, window, ratio)[:, :window], torch.where(val >= 0, seq + pick, -1)],
+                     dim=1).to(torch.int32).contiguous()
+
+
+@pytest.mark.parametrize("table", ["hca", "csa"])
+def test_band_slots(table, monkeypatch):
+    """The window (and HCA's entries) as band slots (``band.SlotBands``), DSv4 shapes at s 4096 (below
+    ``BAND_MIN_QUERIES_GPU``: the default keeps the CSR path there, byte-equal; lowered for the rest): within the fp32
+    reference's bounds and byte-identical run to run (``check``), the band kernel launched; dq and d_sink
+    byte-equal to the CSR path's; a window band one key off lands over the dkv bound."""
+    from fleet_ext.ops.sparse_attn import band_bwd
+    from fleet_ext.ops.sparse_attn.band import Band, SlotBands
+
+    seq, heads, ratio = 4096, 64, 128 if table == "hca" else 4
+    q, kv, _, sink, d_out, d_lse = make_case(seq, heads, 512, 512, 160, 128, n_extra=seq // ratio, seed=7)
+    idx = hca_index(seq) if table == "hca" else csa_index(seq, torch.Generator(device=DEV).manual_seed(7))
+    window = Band(0, 128, 1, -127)
+    bands = SlotBands(seq, kv.shape[0], (window, Band(128, seq // 128, 0, seq - 128)) if table == "hca" else (window,))
+    scale = 1.0 / math.sqrt(512)
+    out, lse = kernel.sparse_attn_fwd(q, kv, idx, sink, scale, d_v=512)
+    before = launch.LAUNCH_COUNTS["_bwd_dkv_band_kernel"]
+    small = kernel.sparse_attn_bwd(q, kv, idx, sink, scale, out, lse, d_out, d_lse, d_v=512, slot_bands=bands)
+    assert launch.LAUNCH_COUNTS["_bwd_dkv_band_kernel"] == before, "bands below BAND_MIN_QUERIES_GPU"
+    assert_bitwise(small[1], kernel.sparse_attn_bwd(q, kv, idx, sink, scale, out, lse, d_out, d_lse, d_v=512)[1],
+                   "dkv below BAND_MIN_QUERIES_GPU: the CSR path's")
+    monkeypatch.setattr(band_bwd, "BAND_MIN_QUERIES_GPU", 0)
+    errors = check(q, kv, idx, sink, 512, d_out, d_lse, slot_bands=bands)
+    assert launch.LAUNCH_COUNTS["_bwd_dkv_band_kernel"] > before
+    banded, plain = (kernel.sparse_attn_bwd(q, kv, idx, sink, scale, out, lse, d_out, d_lse, d_v=512, slot_bands=b)
+                     for b in (bands, None))
+    assert_bitwise(banded[0], plain[0], "dq: band slots vs the CSR path")
+    assert_bitwise(banded[2], plain[2], "d_sink: band slots vs the CSR path")
+    print(f"[bands {table}] dkv {errors['dkv']:.2e}, moved {rel(banded[1], plain[1]):.2e} from the CSR path's")
+    off = SlotBands(seq, kv.shape[0], (Band(0, 128, 1, -126), *bands.bands[1:]))
+    r_out, r_lse, r_dq, r_dkv, r_sink = reference(q, kv, idx, sink, scale, 512, d_out, d_lse)
+    planted = kernel.sparse_attn_bwd(q, kv, idx, sink, scale, out, lse, d_out, d_lse, d_v=512, slot_bands=off)
+    assert rel(planted[1], r_dkv) > TOL["dkv"], "a window band one key off went unnoticed"
+
+
 @pytest.mark.parametrize("partial_dtype", ["bfloat16", "float24"])
 def test_rounded_partials(partial_dtype):
     """Contributions stored rounded: within the fp32 reference's bounds and byte-identical run to run (``check``);

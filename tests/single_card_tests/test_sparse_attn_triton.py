@@ -108,7 +108,8 @@ def make_case(seed, num_t, heads, d_qk, d_v, n_kv, width, *, empty_rows=2, repea
 def run_kernels(q, kv, idx, sink, scale, d_v, d_out, d_lse, topk_length=None, derive_bound=True, **bwd_kw):
     t = [torch.from_numpy(np.ascontiguousarray(a)) for a in (q, kv, idx, sink, d_out, d_lse)]
     tl_t = None if topk_length is None else torch.from_numpy(topk_length)
-    with expect_launches("_sparse_attn_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkv_reduce_kernel"):
+    reduce = () if bwd_kw.get("slot_bands") else ("_bwd_dkv_reduce_kernel",)  # bands over every slot: no reduce
+    with expect_launches("_sparse_attn_fwd_kernel", "_bwd_dq_kernel", *reduce):
         out, lse = kernel.sparse_attn_fwd(t[0], t[1], t[2], t[3], scale, d_v=d_v, topk_length=tl_t,
                                           derive_bound=derive_bound)
         grads = kernel.sparse_attn_bwd(t[0], t[1], t[2], t[3], scale, out, lse, t[4], t[5], d_v=d_v,
@@ -446,3 +447,90 @@ def test_warp_specialised_dq_is_chosen_only_where_it_runs(monkeypatch):
     with pytest.raises(ValueError, match=r"sparse_attn_bwd: kernel_config.DQ_KERNEL = 'gluon' cannot run here: "
                                          r"not a Hopper GPU \(sm90\)"):
         run_kernels(q, kv, idx, sink, 0.3, 32, d_out, d_lse)
+
+
+# ------------------------------------------------------------------------------------------------------
+# band slots (band.py): the window's and HCA's dkv summed key-major, no per-pair contributions
+# ------------------------------------------------------------------------------------------------------
+def _banded_case(seed, seqs, seq, heads, d_qk, d_v, window, ratio, topk=None, halo=0):
+    """A DSv4-shaped flat table: per sequence, raw rows [halo + seq] then compressed entries; slots [0, W) the
+    window of query i (local keys i + halo - W + 1 + j, -1 before row 0), then either every entry in order
+    (HCA: -1 where not yet visible) or ``topk`` random visible entries (CSA: -1 padded). Returns the case and
+    its ``SlotBands``."""
+    from fleet_ext.ops.sparse_attn.band import Band, SlotBands
+
+    rng = np.random.default_rng(seed)
+    raw, n_ent = halo + seq, (halo + seq) // ratio
+    kv_rows, width = raw + n_ent, window + (n_ent if topk is None else topk)
+    idx = np.full((seqs * seq, width), -1, dtype=np.int32)
+    for b in range(seqs):
+        for i in range(seq):
+            t, visible = b * seq + i, (halo + i + 1) // ratio
+            win = i + halo - window + 1 + np.arange(window)
+            idx[t, :window] = np.where(win >= 0, b * kv_rows + win, -1)
+            picks = np.arange(visible) if topk is None else rng.permutation(visible)[:topk]
+            idx[t, window:window + len(picks)] = b * kv_rows + raw + picks
+    bands = [Band(0, window, 1, halo - window + 1)] + ([Band(window, n_ent, 0, raw - window)] if topk is None else [])
+    q, kv, _, sink, d_out, d_lse = make_case(seed, seqs * seq, heads, d_qk, d_v, seqs * kv_rows, width, empty_rows=0,
+                                             repeats=False)
+    return (q, kv, idx, sink, d_out, d_lse), SlotBands(seq, kv_rows, tuple(bands))
+
+
+BAND_CASES = {  # (seqs, seq, heads, d_qk, d_v, window, ratio, topk, halo)
+    "window_and_hca_entries": (2, 9, 3, 32, 32, 4, 2, None, 0),
+    "window_then_csa_picks_latent": (1, 11, 5, 48, 32, 5, 3, 2, 0),
+    "window_with_cp_halo": (2, 7, 18, 32, 16, 4, 4, None, 3),
+}
+
+
+@pytest.mark.parametrize("case", list(BAND_CASES))
+@pytest.mark.parametrize("max_partial_bytes", [4 << 30, 5000], ids=["one_query_chunk", "query_chunks"])
+def test_band_slots_match_the_oracle_and_leave_the_rest_byte_equal(case, max_partial_bytes, monkeypatch):
+    """``slot_bands``: dkv within the oracle's bound (the band kernel ran), out, lse, dq and d_sink byte-equal to
+    the backward without bands, byte-identical run to run; an entries band also in query splits (one query
+    chunk; added in order by the combine kernel); a band one key off (its slots no longer hold the keys it names,
+    so they are skipped) fails the oracle check."""
+    from fleet_ext.ops.sparse_attn import band_bwd as band_mod
+    from fleet_ext.ops.sparse_attn.band import Band, SlotBands
+
+    seqs, seq, heads, d_qk, d_v, window, ratio, topk, halo = BAND_CASES[case]
+    args, bands = _banded_case(5, seqs, seq, heads, d_qk, d_v, window, ratio, topk, halo)
+    q, kv, idx, sink, d_out, d_lse = args
+    ref = oracle(*args[:4], 0.3, d_v, d_out, d_lse)
+    plain = run_kernels(*args[:4], 0.3, d_v, d_out, d_lse, max_partial_bytes=max_partial_bytes)
+    covers_all = bands.contribution_slots(idx.shape[1])[0] == idx.shape[1]  # no CSR slots: no reduce at all
+    with expect_launches("_bwd_dkv_band_kernel"), expect_launches(
+            "_bwd_dkv_reduce_kernel", **({"exactly": 0} if covers_all else {})):
+        banded = run_kernels(*args[:4], 0.3, d_v, d_out, d_lse, max_partial_bytes=max_partial_bytes,
+                             slot_bands=bands)
+    again = run_kernels(*args[:4], 0.3, d_v, d_out, d_lse, max_partial_bytes=max_partial_bytes, slot_bands=bands)
+    assert_close(banded[3], ref[3], "fp32", "triton_sparse_attn", what=f"{case}: banded dkv")
+    for k, name in enumerate(("out", "lse", "dq", "dkv", "d_sink")):
+        assert_bitwise(banded[k], again[k], f"{case}: banded, two runs: {name}")
+        if name != "dkv":
+            assert_bitwise(banded[k], plain[k], f"{case}: banded vs not: {name}")
+    if any(b.step == 0 for b in bands.bands) and max_partial_bytes > 10000:  # one chunk: 3 queries per split
+        monkeypatch.setattr(band_mod, "_SPLIT_QUERIES", 3)
+        with expect_launches("_bwd_band_combine_kernel"):
+            split = run_kernels(*args[:4], 0.3, d_v, d_out, d_lse, max_partial_bytes=max_partial_bytes,
+                                slot_bands=bands)
+        assert_close(split[3], ref[3], "fp32", "triton_sparse_attn", what=f"{case}: banded dkv, query splits")
+    off = SlotBands(bands.seq, bands.kv_rows, (Band(0, window, 1, bands.bands[0].base + 1), *bands.bands[1:]))
+    planted = run_kernels(*args[:4], 0.3, d_v, d_out, d_lse, max_partial_bytes=max_partial_bytes, slot_bands=off)
+    with pytest.raises(AssertionError):
+        assert_close(planted[3], ref[3], "fp32", "triton_sparse_attn", what="planted: the window band one key off")
+
+
+@pytest.mark.parametrize("bands, pattern", [
+    (((0, 4, 1, -3), (2, 3, 0, 10)), "overlap at slot 2"),
+    (((0, 2, 1, -1), (4, 2, 0, 10), (7, 1, 0, 20)), "one contiguous range"),
+    (((0, 2, 2, -1),), "step 0 or 1"),
+    (((6, 3, 0, 10),), r"inside \[0, 8\)"),
+])
+def test_slot_bands_reject_what_they_cannot_serve(bands, pattern):
+    from fleet_ext.ops.sparse_attn.band import Band, SlotBands
+
+    with pytest.raises(ValueError, match=pattern):
+        SlotBands(4, 20, tuple(Band(*b) for b in bands)).contribution_slots(8)
+    with pytest.raises(ValueError, match="do not fit"):
+        SlotBands(4, 20, ()).check(10, 60)

@@ -73,10 +73,12 @@ def sparse_attention_fused_sink_grad(
     scale: float,
     remap=local_to_global_flat,
     d_v: int | None = None,
+    slot_bands: tuple = (),
 ) -> tuple[paddle.Tensor, paddle.Tensor]:
     """q [B, S, H, d], kv [B, N, d], idx [B, S, K] int (-1 invalid), sink [H] fp32 -> (out [B,S,H,d_v], lse [B,S,H]).
 
-    Same contract as the reference; the sink's gradient comes from the Triton kernel (module docstring).
+    Same contract as the reference (``slot_bands`` is the Triton backend's hint; the reference path reads the table
+    alone); the sink's gradient comes from the Triton kernel (module docstring).
     """
     if not isinstance(sink, paddle.Tensor):
         raise ValueError(f"sparse_attention_fused_sink_grad: `sink` must be a paddle.Tensor, got {type(sink).__name__}")

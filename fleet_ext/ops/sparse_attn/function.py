@@ -32,6 +32,7 @@ from paddle.autograd import PyLayer
 
 from fleet_ext import capability
 from fleet_ext.ops.kv_idx_remap.reference import local_to_global_flat
+from fleet_ext.ops.sparse_attn.band import Band, SlotBands
 
 capability.prepare_triton()
 from fleet_ext.ops.sparse_attn import causal, kernel  # noqa: E402  (after prepare_triton: interpreter mode on CPU)
@@ -45,14 +46,14 @@ def _pow2_at_least_16(n: int) -> int:
 
 class _SparseAttnTriton(PyLayer):
     @staticmethod
-    def forward(ctx, q, kv, flat_idx, sink, scale, d_v, partial_dtype):
+    def forward(ctx, q, kv, flat_idx, sink, scale, d_v, partial_dtype, slot_bands):
         # per-row trailing bound (last valid slot + 1), derived once and used by the forward and the backward
         bound = kernel.row_bound(flat_idx, kv.shape[0]) if flat_idx.shape[0] and flat_idx.shape[1] else None
         out, lse = kernel.sparse_attn_fwd(q, kv, flat_idx, sink, scale, d_v=d_v, topk_length=bound,
                                           derive_bound=False)
         ctx.bound = bound
         ctx.save_for_backward(q, kv, flat_idx, sink, out, lse)
-        ctx.scale, ctx.d_v, ctx.partial_dtype = scale, d_v, partial_dtype
+        ctx.scale, ctx.d_v, ctx.partial_dtype, ctx.slot_bands = scale, d_v, partial_dtype, slot_bands
         # Paddle wants None (not a tensor) for an input that does not require a gradient
         ctx.needs_grad = (not q.stop_gradient, not kv.stop_gradient, not sink.stop_gradient)
         return out, lse
@@ -68,7 +69,7 @@ class _SparseAttnTriton(PyLayer):
             d_lse = d_lse.contiguous() if not d_lse.is_contiguous() else d_lse
         dq, dkv, d_sink = kernel.sparse_attn_bwd(q, kv, flat_idx, sink, ctx.scale, out, lse, d_out, d_lse,
                                                  d_v=ctx.d_v, topk_length=ctx.bound, derive_bound=False,
-                                                 partial_dtype=ctx.partial_dtype)
+                                                 partial_dtype=ctx.partial_dtype, slot_bands=ctx.slot_bands)
         dq, dkv, d_sink = (g if need else None for g, need in zip((dq, dkv, d_sink), ctx.needs_grad))
         return dq, dkv, None, d_sink
 
@@ -156,6 +157,7 @@ def sparse_attention_triton(
     d_v: int | None = None,
     q_offset: int = 0,
     partial_dtype: str = "auto",
+    slot_bands: tuple[Band, ...] = (),
 ) -> tuple[paddle.Tensor, paddle.Tensor]:
     """q [B, S, H, d], kv [B, N, d], idx [B, S, K] int (-1 invalid), sink [H] fp32 -> (out [B,S,H,d_v], lse [B,S,H]).
 
@@ -164,7 +166,8 @@ def sparse_attention_triton(
     ``idx=None``: dense causal, query i (global position ``q_offset + i``) attends keys ``0 .. q_offset + i``
     (``q_offset`` is read only then). ``partial_dtype``: how the backward stores its per-pair dkv contributions
     (``kernel.PARTIAL_DTYPES``; the config key ``sparse_attn_dkv_contribution_dtype``); the dense causal mode has
-    none.
+    none. ``slot_bands``: where ``idx`` holds keys by position (``band.Band``, local ids; the DSv4 window and HCA's
+    entries): the backward sums their dkv key-major instead of through per-pair contributions.
     """
     _validate(q, kv, idx, sink, d_v)
     batch, seq, heads, _ = q.shape
@@ -178,7 +181,9 @@ def sparse_attention_triton(
         flat_idx = remap(idx, kv.shape[1])  # [B*S, K], invalid entries negative
         if not flat_idx.is_contiguous():
             flat_idx = flat_idx.contiguous()
-        out, lse = _SparseAttnTriton.apply(q_flat, kv_flat, flat_idx, sink, float(scale), width_v, partial_dtype)
+        bands = SlotBands(seq, kv.shape[1], tuple(slot_bands)) if slot_bands else None
+        out, lse = _SparseAttnTriton.apply(q_flat, kv_flat, flat_idx, sink, float(scale), width_v, partial_dtype,
+                                           bands)
     if width_v != value:
         out = out[..., :value]
     return out.reshape([batch, seq, heads, value]), lse.reshape([batch, seq, heads])

@@ -59,6 +59,10 @@ put their -1 slots last (early queries see fewer keys than ``K``): at s = 4096 w
 of the V3.2 slots are skipped. The dkv-contribution programs whose slot block lies wholly past the bound
 exit at once.
 
+Band slots (``slot_bands``, ``band.py``): slots whose key follows from the query's position (the DSv4 window,
+HCA's entries) skip steps 3-5; ``band_bwd`` sums their dkv key-major from the pair buffers into an fp32
+accumulator that the CSR reduce of the other slots then adds to (or that is copied to dkv when no slot is left).
+
 Queries are processed in chunks so the pair buffers stay under ``max_partial_bytes``; chunks are summed
 in order (deterministic). This moves more bytes than an atomic scatter-add (the contributions are written
 once and read once) in exchange for reproducibility.
@@ -81,6 +85,8 @@ import triton
 from fleet_ext import capability
 from fleet_ext.ops.launch import dtype_name, empty_like, is_paddle, launch, shape_of, torch_view
 from fleet_ext.ops.sparse_attn import kernel_config
+from fleet_ext.ops.sparse_attn.band import SlotBands
+from fleet_ext.ops.sparse_attn.band_bwd import band_dkv, bands_pay, copy_rows, zero_fill
 from fleet_ext.ops.sparse_attn.kernel_bwd import (
     _bwd_dkv_combine_kernel,
     _bwd_dkv_partial_kernel,
@@ -342,30 +348,35 @@ class _PairBuffers:
 
 
 def _pair_buffers(q: Any, kv: Any, idx: Any, dkv: Any, num_t: int, heads: int, d_qk: int, n_kv: int, width: int,
-                  partial_dtype: str, max_partial_bytes: int) -> _PairBuffers:
-    """Chunk the queries so the pair buffers stay under ``max_partial_bytes``; allocate the buffers."""
+                  partial_dtype: str, max_partial_bytes: int, n_contrib: int, banded: bool) -> _PairBuffers:
+    """Chunk the queries so the pair buffers stay under ``max_partial_bytes``; allocate the buffers. ``n_contrib``
+    of a row's ``width`` slots take the CSR path (the others are band slots); ``banded``: an fp32 dkv accumulator
+    even for one chunk (the bands add into it)."""
     f32 = _framework_dtype(q, "float32")
     h_pad = max(16, _pow2(heads))
     block_h = min(64, h_pad)
     elem = 4 if dtype_name(q) == "float32" else 2
     stored = partial_storage(partial_dtype, dtype_name(q))
     part_elem = {"float32": 4, "float24": 3, "bfloat16": 2}[stored]
-    per_query = max(1, width) * (d_qk * part_elem + 2 * h_pad * elem + 4 + 4 + 8)
+    per_query = max(1, width * 2 * h_pad * elem + n_contrib * (d_qk * part_elem + 4 + 4 + 8))
     chunk = max(1, min(max(num_t, 1), int(max_partial_bytes) // per_query))
     n_chunks = triton.cdiv(num_t, chunk) if num_t else 0
-    pairs = chunk * width
-    p_buf = empty_like(q, [max(pairs, 1), h_pad])
-    ds_buf = empty_like(q, [max(pairs, 1), h_pad])
+    p_buf = empty_like(q, [max(chunk * width, 1), h_pad])
+    ds_buf = empty_like(q, [max(chunk * width, 1), h_pad])
+    pairs = chunk * n_contrib
     part = empty_like(q, [max(pairs, 1), d_qk], dtype=_framework_dtype(q, "int16" if stored == "float24" else stored))
     part_lo = empty_like(q, [max(pairs, 1), d_qk], dtype=_framework_dtype(q, "uint8")) if stored == "float24" else part
     keys = empty_like(idx, [max(pairs, 1)], dtype=_framework_dtype(idx, "int32"))
     rowptr = empty_like(idx, [n_kv + 1], dtype=_framework_dtype(idx, "int64"))
-    acc = empty_like(kv, [n_kv, d_qk], dtype=f32) if n_chunks > 1 else dkv
+    acc = empty_like(kv, [n_kv, d_qk], dtype=f32) if n_chunks > 1 or banded else dkv
+    if banded:
+        zero_fill(acc, n_kv * d_qk)
     items_chunk = reduce_chunk(pairs, n_kv)
     items_bound = n_kv + triton.cdiv(pairs, items_chunk)
     item_start = empty_like(idx, [n_kv + 1], dtype=_framework_dtype(idx, "int64"))
     item_row = empty_like(idx, [max(items_bound, 1)], dtype=_framework_dtype(idx, "int32"))
-    split = empty_like(kv, [max(items_bound, 1), d_qk], dtype=f32)
+    reduces = not (banded and n_contrib == 0)  # bands over every slot: no CSR reduce (``_bwd_chunk``)
+    split = empty_like(kv, [max(items_bound, 1) if reduces else 1, d_qk], dtype=f32)
     if n_chunks == 0:
         n_chunks, chunk = 1, 0  # one pass of the reduce writes zeros
     return _PairBuffers(chunk, n_chunks, h_pad, block_h, p_buf, ds_buf, part, part_lo, keys, rowptr, acc,
@@ -422,6 +433,9 @@ class _BwdCall:
     width: int
     scale: float
     partial_dtype: str
+    slot_bands: SlotBands | None  # band slots summed key-major (``band.py``), or None
+    c0: int  # the CSR path's slots: [c0, c0 + n_contrib)
+    n_contrib: int
 
     def meta(self) -> dict:
         return {"D_V": self.d_v, "D_TAIL": self.d_qk - self.d_v, "HAS_TOPK_LEN": self.has_topk_len,
@@ -476,18 +490,19 @@ def _bwd_pairs(call: _BwdCall, bufs: _PairBuffers, t0: int, tc: int) -> tuple[in
     q, heads, d_qk, d_v, width = call.q, call.heads, call.d_qk, call.d_v, call.width
     interp = capability.detect().interpreter
     h_pad = bufs.h_pad
+    c0, n_contrib = call.c0, call.n_contrib
     launch_first_fitting(
-        "partial", _bwd_dkv_partial_kernel, lambda m, tc=tc: (tc * triton.cdiv(width, m["BLOCK_M"]),),
+        "partial", _bwd_dkv_partial_kernel, lambda m, tc=tc: (tc * triton.cdiv(n_contrib, m["BLOCK_M"]),),
         (d_qk, d_v, h_pad, dtype_name(q), call.partial_dtype), configs_for("partial"),
         q, call.d_out, call.topk, bufs.p_buf, bufs.ds_buf, bufs.part, bufs.part_lo,
-        heads, width, t0, h_pad, heads * d_qk, d_qk, heads * d_v, d_v, d_qk, d_qk // 2,
+        heads, width, t0, h_pad, c0, n_contrib, heads * d_qk, d_qk, heads * d_v, d_v, d_qk, d_qk // 2,
         BLOCK_HP=h_pad, BLOCK_D=min(d_v, 16 if interp else 64), PACK24=bufs.packed24, **call.meta(),
         **({"enable_fp_fusion": False} if bufs.packed24 else {}),  # the packing's exact rounding (_pack24_pairs)
     )
-    launch(_csr_keys_kernel, (tc, triton.cdiv(width, 128 if not interp else 16)), call.idx, call.topk, bufs.keys,
-           call.n_kv, width, t0, width, BLOCK=128 if not interp else 16,
+    launch(_csr_keys_kernel, (tc, triton.cdiv(n_contrib, 128 if not interp else 16)), call.idx, call.topk,
+           bufs.keys, call.n_kv, c0, n_contrib, t0, width, BLOCK=128 if not interp else 16,
            HAS_TOPK_LEN=call.has_topk_len)
-    n_pairs = tc * width
+    n_pairs = tc * n_contrib
     keys = bufs.keys
     sorted_keys, order = _stable_sort(keys[:n_pairs] if n_pairs < int(keys.shape[0]) else keys)
     return n_pairs, sorted_keys, order
@@ -499,7 +514,13 @@ def _bwd_chunk(call: _BwdCall, bufs: _PairBuffers, c: int) -> None:
     tc = min(bufs.chunk, call.num_t - t0)
     if tc > 0:  # dq (zeros when the index table is empty)
         _bwd_dq(call, bufs, t0, tc)
-    if tc > 0 and call.width > 0:
+    if tc > 0 and call.slot_bands is not None:
+        band_dkv(call, bufs, call.slot_bands, t0, tc)
+    if call.slot_bands is not None and call.n_contrib == 0:  # the bands summed every slot: acc is dkv in fp32
+        if c == bufs.n_chunks - 1:
+            copy_rows(bufs.acc, call.dkv, call.n_kv * call.d_qk)
+        return
+    if tc > 0 and call.n_contrib > 0:
         n_pairs, sorted_keys, order = _bwd_pairs(call, bufs, t0, tc)
     else:
         n_pairs = 0
@@ -509,20 +530,21 @@ def _bwd_chunk(call: _BwdCall, bufs: _PairBuffers, c: int) -> None:
     launch(_csr_rowptr_kernel, (triton.cdiv(n_kv + 1, 128),), sorted_keys, bufs.rowptr, n_pairs, n_kv + 1,
            STEPS=steps, BLOCK=128)
     out = call.dkv if c == bufs.n_chunks - 1 else bufs.acc
+    accumulate = c > 0 or call.slot_bands is not None  # the previous chunks' and the bands' sums are in acc
     launch(_csr_items_kernel, (1,), bufs.rowptr, bufs.item_start, n_kv, bufs.reduce_chunk,
            BLOCK=1024 if not capability.detect().interpreter else 16)
     launch(_csr_item_rows_kernel, (triton.cdiv(n_kv, 128),), bufs.item_start, bufs.item_row, n_kv, BLOCK=128)
     launch(_bwd_dkv_reduce_kernel, (bufs.items_bound,), bufs.part, bufs.part_lo, order, bufs.rowptr,
            bufs.item_start, bufs.item_row, bufs.split, bufs.acc, out, d_qk, bufs.reduce_chunk, n_kv, D_V=d_v,
-           D_TAIL=d_qk - d_v, ACCUMULATE=c > 0, PACK24=bufs.packed24, **reduce_config())
+           D_TAIL=d_qk - d_v, ACCUMULATE=accumulate, PACK24=bufs.packed24, **reduce_config())
     launch(_bwd_dkv_combine_kernel, (n_kv,), bufs.split, bufs.item_start, bufs.acc, out, d_qk, D_V=d_v,
-           D_TAIL=d_qk - d_v, ACCUMULATE=c > 0)
+           D_TAIL=d_qk - d_v, ACCUMULATE=accumulate)
 
 
 def sparse_attn_bwd(q: Any, kv: Any, idx: Any, sink: Any, scale: float, out: Any, lse: Any, d_out: Any,
                     d_lse: Any = None, d_v: int | None = None, topk_length: Any = None,
                     partial_dtype: str = "auto", max_partial_bytes: int = 4 << 30,
-                    derive_bound: bool = True) -> tuple[Any, Any, Any]:
+                    derive_bound: bool = True, slot_bands: SlotBands | None = None) -> tuple[Any, Any, Any]:
     """Deterministic backward -> (dq [T, H, d_qk] like q, dkv [N, d_qk] like kv, d_sink [H] fp32).
 
     ``out``/``lse`` are the forward's outputs, ``d_out`` [T, H, d_v], ``d_lse`` [T, H] (optional, the
@@ -530,7 +552,10 @@ def sparse_attn_bwd(q: Any, kv: Any, idx: Any, sink: Any, scale: float, out: Any
     (``PARTIAL_DTYPES``: "float24", the default for bf16/fp16 inputs, cuts their round trip through memory by a
     quarter, "bfloat16" by half, each at the cost of rounding every contribution);
     ``max_partial_bytes`` bounds the pair buffers (queries are processed in chunks under it);
-    ``derive_bound`` as in ``sparse_attn_fwd`` (byte-identical gradients either way).
+    ``derive_bound`` as in ``sparse_attn_fwd`` (byte-identical gradients either way). ``slot_bands``
+    (``band.SlotBands``): slots whose key follows from the query's position; their dkv is summed key-major
+    without per-pair contributions (dq and d_sink byte-equal, dkv in another fixed order) where that pays
+    (``band_bwd.bands_pay``: enough queries to fill a GPU).
     """
     num_t, heads, d_qk, n_kv, width, d_v = _check_bwd_inputs(q, kv, idx, sink, out, lse, d_out, d_lse, d_v,
                                                              topk_length, partial_dtype)
@@ -543,11 +568,17 @@ def sparse_attn_bwd(q: Any, kv: Any, idx: Any, sink: Any, scale: float, out: Any
         width = 0
     delta = _bwd_delta_and_dsink(q, out, d_out, lse, d_lse, sink, d_sink, num_t, heads, d_v)  # 1.
     # 2-5. dq and dkv, by chunks of queries
-    bufs = _pair_buffers(q, kv, idx, dkv, num_t, heads, d_qk, n_kv, width, partial_dtype, max_partial_bytes)
+    bands = slot_bands if num_t > 0 and width > 0 and bands_pay(num_t) else None
+    c0, c1 = (0, width) if bands is None else bands.contribution_slots(width)
+    if bands is not None:
+        bands.check(num_t, n_kv)
+    bufs = _pair_buffers(q, kv, idx, dkv, num_t, heads, d_qk, n_kv, width, partial_dtype, max_partial_bytes,
+                         c1 - c0, bands is not None)
     if derive_bound and num_t > 0 and width > 0:
         topk_length = row_bound(idx, n_kv, topk_length)
     call = _BwdCall(q, kv, idx, d_out, lse, delta, dq, dkv, q if topk_length is None else topk_length,
-                    topk_length is not None, num_t, heads, d_qk, d_v, n_kv, width, scale, partial_dtype)
+                    topk_length is not None, num_t, heads, d_qk, d_v, n_kv, width, scale, partial_dtype,
+                    bands, c0, c1 - c0)
     for c in range(bufs.n_chunks):
         _bwd_chunk(call, bufs, c)
     return dq, dkv, d_sink

@@ -199,33 +199,34 @@ def _column_block(ds, p, q_rows, do_rows, hp_ok, d0, BLOCK_D: tl.constexpr, PREC
 @triton.jit
 def _bwd_dkv_partial_kernel(
     Q, DOUT, TOPK_LEN, P_BUF, DS_BUF, PART, PART_LO,
-    H, K, t_begin, H_PAD,
+    H, K, t_begin, H_PAD, slot0, n_slots,
     stride_qt, stride_qh, stride_dot, stride_doh, stride_part, stride_part_lo,
     D_V: tl.constexpr, D_TAIL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_HP: tl.constexpr,
     BLOCK_D: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, PREC: tl.constexpr, PACK24: tl.constexpr,
 ):
-    """Per (query, ``BLOCK_M`` slots): the slots' contributions, ``BLOCK_D`` value columns at a time, then the
-    key-only tail. ``stride_part_lo`` = ``stride_part // 2`` (a separate argument so the compiler sees its
+    """Per (query, ``BLOCK_M`` of the slots ``[slot0, slot0 + n_slots)``, the ones outside the band slots): the
+    slots' contributions, ``BLOCK_D`` value columns at a time, then the key-only tail; row ``n_slots * t + j -
+    slot0`` of ``PART``. ``stride_part_lo`` = ``stride_part // 2`` (a separate argument so the compiler sees its
     alignment: the low bytes' int16 stores stay vectorised)."""
     # 1-D grid, a query's slot blocks next to each other: they read the same Q_t and dO_t rows (L2, not HBM)
-    pid_t = tl.program_id(0) // tl.cdiv(K, BLOCK_M)
-    pid_m = tl.program_id(0) % tl.cdiv(K, BLOCK_M)
+    pid_t = tl.program_id(0) // tl.cdiv(n_slots, BLOCK_M)
+    pid_m = tl.program_id(0) % tl.cdiv(n_slots, BLOCK_M)
     tl_local = pid_t.to(tl.int64)
     t = t_begin + tl_local
-    n_valid = K
+    n_valid = slot0 + n_slots
     if HAS_TOPK_LEN:
-        n_valid = tl.minimum(tl.maximum(tl.load(TOPK_LEN + t).to(tl.int32), 0), K)
-        if pid_m * BLOCK_M >= n_valid:  # the whole slot block is past the row's bound: nothing to write
+        n_valid = tl.minimum(tl.maximum(tl.load(TOPK_LEN + t).to(tl.int32), 0), n_valid)
+        if slot0 + pid_m * BLOCK_M >= n_valid:  # the whole slot block is past the row's bound: nothing to write
             return
-    kk = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    kk = slot0 + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     k_ok = kk < n_valid
     offs_hp = tl.arange(0, BLOCK_HP)
     hp_ok = offs_hp < H
-    pair = tl_local * K + kk
-    buf = pair[:, None] * H_PAD + offs_hp[None, :]
+    buf = (tl_local * K + kk)[:, None] * H_PAD + offs_hp[None, :]
     buf_ok = k_ok[:, None] & (offs_hp < H_PAD)[None, :]
     ds = tl.load(DS_BUF + buf, mask=buf_ok, other=0.0)
     p = tl.load(P_BUF + buf, mask=buf_ok, other=0.0)
+    pair = tl_local * n_slots + (kk - slot0)
     part_rows = pair[:, None] * stride_part
     part_rows_lo = pair[:, None] * stride_part_lo
     q_rows = Q + t * stride_qt + offs_hp[:, None] * stride_qh
@@ -244,18 +245,20 @@ def _bwd_dkv_partial_kernel(
 # Backward 4: transposed index (CSR) — keys, then (after a stable sort) row pointers
 # ------------------------------------------------------------------------------------------------------
 @triton.jit
-def _csr_keys_kernel(IDX, TOPK_LEN, KEYS, N, K, t_begin, stride_it, BLOCK: tl.constexpr, HAS_TOPK_LEN: tl.constexpr):
+def _csr_keys_kernel(IDX, TOPK_LEN, KEYS, N, slot0, n_slots, t_begin, stride_it, BLOCK: tl.constexpr,
+                     HAS_TOPK_LEN: tl.constexpr):
+    """``KEYS[n_slots * t + j - slot0]`` = the kv row of slot j (``N`` when invalid), j in [slot0, slot0 + n_slots)."""
     pid_t = tl.program_id(0)
     pid_k = tl.program_id(1)
     tl_local = pid_t.to(tl.int64)
     t = t_begin + tl_local
-    kk = pid_k * BLOCK + tl.arange(0, BLOCK)
-    n_valid = K
+    kk = slot0 + pid_k * BLOCK + tl.arange(0, BLOCK)
+    n_valid = slot0 + n_slots
     if HAS_TOPK_LEN:
-        n_valid = tl.minimum(tl.maximum(tl.load(TOPK_LEN + t).to(tl.int32), 0), K)
+        n_valid = tl.minimum(tl.maximum(tl.load(TOPK_LEN + t).to(tl.int32), 0), n_valid)
     ids = tl.load(IDX + t * stride_it + kk, mask=kk < n_valid, other=-1)
     ok = (ids >= 0) & (ids < N)
-    tl.store(KEYS + tl_local * K + kk, tl.where(ok, ids, N).to(tl.int32), mask=kk < K)
+    tl.store(KEYS + tl_local * n_slots + (kk - slot0), tl.where(ok, ids, N).to(tl.int32), mask=kk < slot0 + n_slots)
 
 
 @triton.jit

@@ -21,8 +21,12 @@ def sparse_attention_with_sink(
     scale: float,
     remap=local_to_global_flat,
     d_v: int | None = None,
+    slot_bands: tuple = (),
 ) -> tuple[paddle.Tensor, paddle.Tensor]:
     """q [B, S, H, d], kv [B, N, d], idx [B, S, K] int (-1 invalid), sink [H] fp32 -> (out [B,S,H,d_v], lse [B,S,H]).
+
+    ``slot_bands`` (``band.Band``s: where the table holds keys by position) serves the Triton backward; the
+    reference reads the table alone.
 
     ``lse`` includes the sink. ``remap`` turns local ids into flat ids (swappable by a fused kernel).
     ``d_v`` (default d) keeps the first ``d_v`` channels as the value: K = V for DSv4 (d_v = d = 512), the
