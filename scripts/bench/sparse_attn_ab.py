@@ -259,13 +259,13 @@ def partial_dtype_error(row: dict, bwd, q, kv, idx, sink, d_out, scale: float, d
 
 
 BAND_VARIANTS = {  # --band-ab: launch settings of the band kernel tried beside the default
-    "k64d128w4s2": {"BLOCK_K": 64, "BLOCK_D": 128, "num_warps": 4, "num_stages": 2},
-    "k64d128w4s3": {"BLOCK_K": 64, "BLOCK_D": 128, "num_warps": 4, "num_stages": 3},
-    "k64d128w8s3": {"BLOCK_K": 64, "BLOCK_D": 128, "num_warps": 8, "num_stages": 3},
-    "k64d256w8s2": {"BLOCK_K": 64, "BLOCK_D": 256, "num_warps": 8, "num_stages": 2},
-    "k128d128w8s2": {"BLOCK_K": 128, "BLOCK_D": 128, "num_warps": 8, "num_stages": 2},
-    "k128d128w8s3": {"BLOCK_K": 128, "BLOCK_D": 128, "num_warps": 8, "num_stages": 3},
-    "k64d64w4s4": {"BLOCK_K": 64, "BLOCK_D": 64, "num_warps": 4, "num_stages": 4},
+    "k128d128w8s3": {"BLOCK_K": 128, "BLOCK_D": 128, "POISON": False, "num_warps": 8, "num_stages": 3},
+    "poison_k128d128w8s3": {"BLOCK_K": 128, "BLOCK_D": 128, "POISON": True, "num_warps": 8, "num_stages": 3},
+    "poison_k128d128w8s4": {"BLOCK_K": 128, "BLOCK_D": 128, "POISON": True, "num_warps": 8, "num_stages": 4},
+    "poison_k64d128w4s3": {"BLOCK_K": 64, "BLOCK_D": 128, "POISON": True, "num_warps": 4, "num_stages": 3},
+    "poison_k64d128w4s4": {"BLOCK_K": 64, "BLOCK_D": 128, "POISON": True, "num_warps": 4, "num_stages": 4},
+    "poison_k128d256w8s2": {"BLOCK_K": 128, "BLOCK_D": 256, "POISON": True, "num_warps": 8, "num_stages": 2},
+    "poison_k64d256w8s3": {"BLOCK_K": 64, "BLOCK_D": 256, "POISON": True, "num_warps": 8, "num_stages": 3},
 }
 
 

@@ -521,6 +521,38 @@ def test_band_slots_match_the_oracle_and_leave_the_rest_byte_equal(case, max_par
         assert_close(planted[3], ref[3], "fp32", "triton_sparse_attn", what="planted: the window band one key off")
 
 
+def test_poisoned_band_slots_load_unmasked_and_mark_a_broken_band(monkeypatch):
+    """``POISON`` (the band kernel's other mode): P / dS loaded as the dq step wrote them (exact zeros on invalid slots
+    inside a row's bound), no per-row select; dkv within the oracle's bound and byte-equal to the select mode here
+    (the same products in the same order); a band one key off makes exactly the keys whose slots hold another key
+    NaN, never a silently wrong gradient."""
+    from fleet_ext.ops.sparse_attn import band_bwd
+    from fleet_ext.ops.sparse_attn.band import Band, SlotBands
+
+    seqs, seq, heads, d_qk, d_v, window, ratio, topk, halo = BAND_CASES["window_and_hca_entries"]
+    args, bands = _banded_case(5, seqs, seq, heads, d_qk, d_v, window, ratio, topk, halo)
+    q, kv, idx, sink, d_out, d_lse = args
+    ref = oracle(*args[:4], 0.3, d_v, d_out, d_lse)
+    selected = run_kernels(*args[:4], 0.3, d_v, d_out, d_lse, slot_bands=bands)
+    monkeypatch.setitem(band_bwd._BAND_CONFIG_INTERP, "POISON", True)
+    poisoned = run_kernels(*args[:4], 0.3, d_v, d_out, d_lse, slot_bands=bands)
+    assert_close(poisoned[3], ref[3], "fp32", "triton_sparse_attn", what="poison mode: dkv")
+    assert_bitwise(poisoned[3], selected[3], "poison vs select mode: dkv")
+    off = SlotBands(bands.seq, bands.kv_rows, (Band(0, window, 1, bands.bands[0].base + 1), *bands.bands[1:]))
+    broken = run_kernels(*args[:4], 0.3, d_v, d_out, d_lse, slot_bands=off)
+    nan_rows = np.isnan(broken[3]).any(1)
+    # the keys the shifted band names: local rows base + 1 .. seq - 1 + base + W of each sequence's raw keys whose
+    # named slot holds a valid other key for some query
+    named = np.zeros(len(nan_rows), bool)
+    for t in range(idx.shape[0]):
+        b, i = divmod(t, seq)
+        for j in range(window):
+            r = i + off.bands[0].base + j
+            if 0 <= r < off.kv_rows and idx[t, j] >= 0 and idx[t, j] != b * off.kv_rows + r:
+                named[b * off.kv_rows + r] = True
+    assert named.any() and np.array_equal(nan_rows, named)
+
+
 @pytest.mark.parametrize("bands, pattern", [
     (((0, 4, 1, -3), (2, 3, 0, 10)), "overlap at slot 2"),
     (((0, 2, 1, -1), (4, 2, 0, 10), (7, 1, 0, 20)), "one contiguous range"),

@@ -27,7 +27,7 @@ def _bwd_dkv_band_kernel(
     S, N, K, t_begin, t_end, H, H_PAD, key_lo, n_keys, slot0, n_slots, base, q_per_split,
     stride_it, stride_qt, stride_qh, stride_dot, stride_doh, stride_split, D_QK,
     col0, STEP: tl.constexpr, VALUE: tl.constexpr, DIRECT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_HP: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_HP: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, PREC: tl.constexpr, POISON: tl.constexpr = False,
 ):
     """Grid (column blocks from ``col0``, sequences x key blocks, query splits); writes ``PART[split, b * n_keys +
     key, col]``, or with ``DIRECT`` (one split) adds to the fp32 accumulator ``PART[b * N + key, col]`` itself.
@@ -57,24 +57,39 @@ def _bwd_dkv_band_kernel(
     hp_ok = offs_h < H
     cols = d0 + tl.arange(0, BLOCK_D)
     acc = tl.zeros([BLOCK_K, BLOCK_D], dtype=tl.float32)
+    bad = r < 0  # POISON: keys whose slot held another key (their dkv becomes NaN)
     for i in range(i_lo, i_hi):
         t = seq0 + i
         j = r - base - STEP * i
         in_band = r_ok & (j >= slot0) & (j < slot0 + n_slots)
         ids = tl.load(IDX + t * stride_it + j, mask=in_band, other=-1)
-        ok = in_band & (ids == key_ids)
-        if HAS_TOPK_LEN:
-            ok = ok & (j < tl.load(TOPK_LEN + t).to(tl.int32))
+        if POISON:  # P, dS rows inside the bound are exact zeros on invalid slots: load them as they are
+            if HAS_TOPK_LEN:
+                in_band = in_band & (j < tl.load(TOPK_LEN + t).to(tl.int32))
+            bad = bad | (in_band & (ids >= 0) & (ids != key_ids))
+            ok = in_band
+        else:
+            ok = in_band & (ids == key_ids)
+            if HAS_TOPK_LEN:
+                ok = ok & (j < tl.load(TOPK_LEN + t).to(tl.int32))
         buf = ((t - t_begin) * K + j)[:, None] * H_PAD + offs_h[None, :]
         buf_ok = in_band[:, None] & (offs_h < H_PAD)[None, :]
-        ds = tl.where(ok[:, None], tl.load(DS_BUF + buf, mask=buf_ok, other=0.0), 0.0)
+        if POISON:
+            ds = tl.load(DS_BUF + buf, mask=buf_ok, other=0.0)
+        else:
+            ds = tl.where(ok[:, None], tl.load(DS_BUF + buf, mask=buf_ok, other=0.0), 0.0)
         qc = tl.load(Q + t * stride_qt + offs_h[:, None] * stride_qh + cols[None, :], mask=hp_ok[:, None], other=0.0)
         acc = tl.dot(ds, qc, acc, input_precision=PREC)
         if VALUE:  # P^T dO as well (the key-only tail has dS^T Q alone)
-            p = tl.where(ok[:, None], tl.load(P_BUF + buf, mask=buf_ok, other=0.0), 0.0)
+            if POISON:
+                p = tl.load(P_BUF + buf, mask=buf_ok, other=0.0)
+            else:
+                p = tl.where(ok[:, None], tl.load(P_BUF + buf, mask=buf_ok, other=0.0), 0.0)
             doc = tl.load(DOUT + t * stride_dot + offs_h[:, None] * stride_doh + cols[None, :], mask=hp_ok[:, None],
                           other=0.0)
             acc = tl.dot(p, doc, acc, input_precision=PREC)
+    if POISON:
+        acc = tl.where(bad[:, None], float("nan"), acc)
     if DIRECT:
         dst = PART + key_ids.to(tl.int64)[:, None] * D_QK + cols[None, :]
         acc += tl.load(dst, mask=r_ok[:, None], other=0.0)
