@@ -180,7 +180,7 @@ def test_kv_vs_eager_torch_and_the_oracle(kernel, shape, rd, what, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_production_shapes(kernel, dtype):
+def test_production_shapes(kernel, dtype, heavy_gpu_memory):
     """q [1, 16384, 64, 512] (1 GiB in bf16) and kv [1, 16384, 512], pe 64: bitwise (dw: its tolerance)."""
     cos, sin, _ = tables(16384, 64)
     x, g, _ = make((1, 16384, 64, 512), dtype, seed=7)

@@ -150,7 +150,7 @@ def check(q, kv, idx, sink, d_v, d_out, d_lse, topk_length=None, **bwd_kw):
     ],
     ids=["v32_h128", "v32_h64", "v4_csa_h64"],
 )
-def test_production_shapes(seq, heads, d_qk, d_v, topk, window, n_extra):
+def test_production_shapes(seq, heads, d_qk, d_v, topk, window, n_extra, heavy_gpu_memory):
     q, kv, idx, sink, d_out, d_lse = make_case(seq, heads, d_qk, d_v, topk, window, n_extra)
     check(q, kv, idx, sink, d_v, d_out, d_lse)
 
@@ -370,7 +370,7 @@ def test_band_slots(table, monkeypatch):
 
 
 @pytest.mark.parametrize("partial_dtype", ["bfloat16", "float24"])
-def test_rounded_partials(partial_dtype):
+def test_rounded_partials(partial_dtype, heavy_gpu_memory):
     """Contributions stored rounded: within the fp32 reference's bounds and byte-identical run to run (``check``);
     dq and d_sink byte-equal to the fp32 contributions' backward, and float24's dkv (bf16) within one bf16 rounding
     (2^-8, in norm) of it: rounding each contribution at 16 bits moves dkv by less than dkv's own rounding."""
