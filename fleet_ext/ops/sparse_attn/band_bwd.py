@@ -25,7 +25,7 @@ _BAND_CONFIG_INTERP = {"BLOCK_K": 16, "BLOCK_D": 16, "POISON": False}
 _SPLIT_QUERIES = 512
 # Below this many queries per call a GPU keeps the CSR path for every slot: the band kernel's grid (key blocks x
 # column blocks) no longer fills the machine (H200, DSv4 HCA: s 4096 1.68 -> 2.17 ms with bands, s 16384 7.69 ->
-# 6.34). The interpreter always takes the bands (the tests' small cases).
+# 5.97). The interpreter always takes the bands (the tests' small cases).
 BAND_MIN_QUERIES_GPU = 8192
 
 
@@ -73,9 +73,8 @@ def band_dkv(call: Any, bufs: Any, slot_bands: SlotBands, t0: int, tc: int) -> N
                    t0 + tc, call.heads, bufs.h_pad, lo, n_keys, band.slot0, band.n_slots, band.base, q_per_split,
                    call.width, call.heads * call.d_qk, call.d_qk, call.heads * call.d_v, call.d_v,
                    sequences * n_keys * call.d_qk, call.d_qk, col0, STEP=band.step, VALUE=value, DIRECT=direct,
-                   BLOCK_K=block_k,
-                   BLOCK_D=block_d, BLOCK_HP=bufs.h_pad, HAS_TOPK_LEN=call.has_topk_len, PREC=call.meta()["PREC"],
-                   **cfg)
+                   BLOCK_K=block_k, BLOCK_D=block_d, BLOCK_HP=bufs.h_pad, HAS_TOPK_LEN=call.has_topk_len,
+                   PREC=call.meta()["PREC"], **cfg)
         if not direct:
             launch(_bwd_band_combine_kernel, (sequences * n_keys, triton.cdiv(call.d_qk, 128)), part, bufs.acc,
                    slot_bands.kv_rows, n_keys, lo, n_split, sequences * n_keys * call.d_qk, call.d_qk, BLOCK_D=128)
