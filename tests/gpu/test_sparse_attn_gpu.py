@@ -334,12 +334,14 @@ def csa_index(seq: int, gen: torch.Generator, window: int = 128, ratio: int = 4,
                      dim=1).to(torch.int32).contiguous()
 
 
+@pytest.mark.parametrize("poison", [False, True], ids=["select", "poison"])
 @pytest.mark.parametrize("table", ["hca", "csa"])
-def test_band_slots(table, monkeypatch):
+def test_band_slots(table, poison, monkeypatch):
     """The window (and HCA's entries) as band slots (``band.SlotBands``), DSv4 shapes at s 4096 (below
-    ``BAND_MIN_QUERIES_GPU``: the default keeps the CSR path there, byte-equal; lowered for the rest): within the fp32
-    reference's bounds and byte-identical run to run (``check``), the band kernel launched; dq and d_sink
-    byte-equal to the CSR path's; a window band one key off lands over the dkv bound."""
+    ``BAND_MIN_QUERIES_GPU``: the default keeps the CSR path there, byte-equal; lowered for the rest), in both modes
+    of the band kernel: within the fp32 reference's bounds and byte-identical run to run (``check``), the band kernel
+    launched; dq and d_sink byte-equal to the CSR path's; the poison mode's dkv byte-equal to the select mode's; a
+    window band one key off lands over the dkv bound (poison: as NaN)."""
     from fleet_ext.ops.sparse_attn import band_bwd
     from fleet_ext.ops.sparse_attn.band import Band, SlotBands
 
@@ -356,17 +358,22 @@ def test_band_slots(table, monkeypatch):
     assert_bitwise(small[1], kernel.sparse_attn_bwd(q, kv, idx, sink, scale, out, lse, d_out, d_lse, d_v=512)[1],
                    "dkv below BAND_MIN_QUERIES_GPU: the CSR path's")
     monkeypatch.setattr(band_bwd, "BAND_MIN_QUERIES_GPU", 0)
+    monkeypatch.setitem(band_bwd.BAND_CONFIG_GPU, "POISON", False)
+    selected = kernel.sparse_attn_bwd(q, kv, idx, sink, scale, out, lse, d_out, d_lse, d_v=512, slot_bands=bands)
+    monkeypatch.setitem(band_bwd.BAND_CONFIG_GPU, "POISON", poison)
     errors = check(q, kv, idx, sink, 512, d_out, d_lse, slot_bands=bands)
     assert launch.LAUNCH_COUNTS["_bwd_dkv_band_kernel"] > before
     banded, plain = (kernel.sparse_attn_bwd(q, kv, idx, sink, scale, out, lse, d_out, d_lse, d_v=512, slot_bands=b)
                      for b in (bands, None))
     assert_bitwise(banded[0], plain[0], "dq: band slots vs the CSR path")
     assert_bitwise(banded[2], plain[2], "d_sink: band slots vs the CSR path")
+    assert_bitwise(banded[1], selected[1], "dkv: poison vs select mode")
     print(f"[bands {table}] dkv {errors['dkv']:.2e}, moved {rel(banded[1], plain[1]):.2e} from the CSR path's")
     off = SlotBands(seq, kv.shape[0], (Band(0, 128, 1, -126), *bands.bands[1:]))
     r_out, r_lse, r_dq, r_dkv, r_sink = reference(q, kv, idx, sink, scale, 512, d_out, d_lse)
     planted = kernel.sparse_attn_bwd(q, kv, idx, sink, scale, out, lse, d_out, d_lse, d_v=512, slot_bands=off)
-    assert rel(planted[1], r_dkv) > TOL["dkv"], "a window band one key off went unnoticed"
+    assert not rel(planted[1], r_dkv) <= TOL["dkv"], "a window band one key off went unnoticed"
+    assert torch.isnan(planted[1].float()).any() == poison
 
 
 @pytest.mark.parametrize("partial_dtype", ["bfloat16", "float24"])
