@@ -44,19 +44,23 @@ class SlotBands:
 
     def contribution_slots(self, width: int) -> tuple[int, int]:
         """The slots ``[c0, c1)`` outside every band (the CSR path's); raises unless they are one range."""
-        covered = [False] * width
+        spans = sorted((band.slot0, band.slot0 + band.n_slots) for band in self.bands)
         for band in self.bands:
             if band.step not in (0, 1) or band.n_slots < 1 or band.slot0 < 0 or band.slot0 + band.n_slots > width:
                 raise ValueError(f"sparse_attn_bwd: band {band} must have step 0 or 1 and slots inside [0, {width})")
-            for j in range(band.slot0, band.slot0 + band.n_slots):
-                if covered[j]:
-                    raise ValueError(f"sparse_attn_bwd: bands {self.bands} overlap at slot {j}")
-                covered[j] = True
-        rest = [j for j in range(width) if not covered[j]]
-        if rest and rest[-1] - rest[0] + 1 != len(rest):
+        gaps, end = [], 0  # the uncovered spans between and after the bands
+        for lo, hi in spans:
+            if lo < end:
+                raise ValueError(f"sparse_attn_bwd: bands {self.bands} overlap at slot {lo}")
+            if lo > end:
+                gaps.append((end, lo))
+            end = hi
+        if end < width:
+            gaps.append((end, width))
+        if len(gaps) > 1:
             raise ValueError(f"sparse_attn_bwd: the slots outside the bands {self.bands} must be one contiguous "
-                             f"range, got {rest[0]}..{rest[-1]} with gaps")
-        return (rest[0], rest[-1] + 1) if rest else (width, width)
+                             f"range, got {gaps}")
+        return gaps[0] if gaps else (width, width)
 
     def check(self, num_t: int, n_kv: int) -> None:
         if self.seq < 1 or num_t % self.seq or n_kv != (num_t // self.seq) * self.kv_rows:
