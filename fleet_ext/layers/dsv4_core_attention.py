@@ -91,8 +91,8 @@ class CompressedSparseAttention(FleetLayer):
     def slot_bands(self, layout: SequenceLayout) -> tuple[Band, ...]:
         """Where ``index_table`` puts keys by position (``band.Band``): the window in slots [0, W) and HCA's entries
         in order after it; the Triton backward sums their dkv key-major (the reference ignores this). Only where the
-        bands cover the whole table (window-only and HCA layers): beside CSA's picks the window band made the
-        backward slower on the H200 (19.43 -> 19.92 ms at s 16384; HCA 7.70 -> 6.34, benchmarks/RESULTS.md)."""
+        bands cover the whole table (window-only and HCA layers): beside CSA's picks the window band gains nothing
+        on the H200 (19.32 -> 19.25 ms at s 16384, within noise; HCA 7.70 -> 5.69, benchmarks/RESULTS.md)."""
         if self.kind is LayerKind.FULL_CAUSAL or self.indexer is not None:
             return ()
         halo = self.halo_rows(layout)

@@ -522,10 +522,10 @@ def test_band_slots_match_the_oracle_and_leave_the_rest_byte_equal(case, max_par
 
 
 def test_poisoned_band_slots_load_unmasked_and_mark_a_broken_band(monkeypatch):
-    """``POISON`` (the band kernel's other mode): P / dS loaded as the dq step wrote them (exact zeros on invalid slots
-    inside a row's bound), no per-row select; dkv within the oracle's bound and byte-equal to the select mode here
-    (the same products in the same order); a band one key off makes exactly the keys whose slots hold another key
-    NaN, never a silently wrong gradient."""
+    """``POISON`` (the band kernel's default mode): P / dS loaded as the dq step wrote them (exact zeros on invalid
+    slots inside a row's bound), no per-row select; dkv within the oracle's bound and byte-equal to the select mode
+    here (the same products in the same order); a band one key off makes exactly the keys whose slots hold another
+    key NaN, never a silently wrong gradient (the select mode drops those slots instead: finite, wrong)."""
     from fleet_ext.ops.sparse_attn import band_bwd
     from fleet_ext.ops.sparse_attn.band import Band, SlotBands
 
@@ -533,12 +533,14 @@ def test_poisoned_band_slots_load_unmasked_and_mark_a_broken_band(monkeypatch):
     args, bands = _banded_case(5, seqs, seq, heads, d_qk, d_v, window, ratio, topk, halo)
     q, kv, idx, sink, d_out, d_lse = args
     ref = oracle(*args[:4], 0.3, d_v, d_out, d_lse)
+    off = SlotBands(bands.seq, bands.kv_rows, (Band(0, window, 1, bands.bands[0].base + 1), *bands.bands[1:]))
+    monkeypatch.setitem(band_bwd._BAND_CONFIG_INTERP, "POISON", False)
     selected = run_kernels(*args[:4], 0.3, d_v, d_out, d_lse, slot_bands=bands)
+    assert np.isfinite(run_kernels(*args[:4], 0.3, d_v, d_out, d_lse, slot_bands=off)[3]).all()
     monkeypatch.setitem(band_bwd._BAND_CONFIG_INTERP, "POISON", True)
     poisoned = run_kernels(*args[:4], 0.3, d_v, d_out, d_lse, slot_bands=bands)
     assert_close(poisoned[3], ref[3], "fp32", "triton_sparse_attn", what="poison mode: dkv")
     assert_bitwise(poisoned[3], selected[3], "poison vs select mode: dkv")
-    off = SlotBands(bands.seq, bands.kv_rows, (Band(0, window, 1, bands.bands[0].base + 1), *bands.bands[1:]))
     broken = run_kernels(*args[:4], 0.3, d_v, d_out, d_lse, slot_bands=off)
     nan_rows = np.isnan(broken[3]).any(1)
     # the keys the shifted band names: local rows base + 1 .. seq - 1 + base + W of each sequence's raw keys whose

@@ -17,15 +17,17 @@ from fleet_ext.ops.sparse_attn.kernel_bwd_band import (
     _fill_zero_kernel,
 )
 
-# Launch settings per machine: keys x columns per program, query splits of a step-0 band (about ``_SPLIT_QUERIES``
-# queries each). The interpreter takes small tiles. H200 (--band-ab, DSv4 HCA s 16384): 128 keys x 128 columns, 8
-# warps, 3 stages 2.71 ms for the band kernel against 2.98 for 64 x 128 on 4 warps, 2 stages (of seven settings).
-BAND_CONFIG_GPU = {"BLOCK_K": 128, "BLOCK_D": 128, "POISON": False, "num_warps": 8, "num_stages": 3}
-_BAND_CONFIG_INTERP = {"BLOCK_K": 16, "BLOCK_D": 16, "POISON": False}
+# Launch settings per machine: keys x columns per program, the kernel's mode (``POISON``: operands straight from
+# shared memory, a broken band shows as NaN; else a per-row select), query splits of a step-0 band (about
+# ``_SPLIT_QUERIES`` queries each). The interpreter takes small tiles. H200 (--band-ab, DSv4 HCA s 16384, whole
+# backward): poison, 64 keys x 128 columns, 4 warps, 3 stages 5.69 ms; the select mode's best (128 x 128, 8 warps,
+# 3 stages) 5.95; poison at 128 x 128 6.42 (benchmarks/RESULTS.md, "Band slots").
+BAND_CONFIG_GPU = {"BLOCK_K": 64, "BLOCK_D": 128, "POISON": True, "num_warps": 4, "num_stages": 3}
+_BAND_CONFIG_INTERP = {"BLOCK_K": 16, "BLOCK_D": 16, "POISON": True}
 _SPLIT_QUERIES = 512
 # Below this many queries per call a GPU keeps the CSR path for every slot: the band kernel's grid (key blocks x
 # column blocks) no longer fills the machine (H200, DSv4 HCA: s 4096 1.68 -> 2.17 ms with bands, s 16384 7.69 ->
-# 5.97). The interpreter always takes the bands (the tests' small cases).
+# 5.97 at the select mode). The interpreter always takes the bands (the tests' small cases).
 BAND_MIN_QUERIES_GPU = 8192
 
 
