@@ -90,20 +90,19 @@ class CompressedSparseAttention(FleetLayer):
 
     def slot_bands(self, layout: SequenceLayout) -> tuple[Band, ...]:
         """Where ``index_table`` puts keys by position (``band.Band``): the window in slots [0, W) and HCA's entries
-        in order after it; the Triton backward sums their dkv key-major (the reference ignores this). Only where the
-        bands cover the whole table (window-only and HCA layers): beside CSA's picks the window band gains nothing
-        on the H200 (19.32 -> 19.25 ms at s 16384, within noise; HCA 7.70 -> 5.69, benchmarks/RESULTS.md)."""
-        if self.kind is LayerKind.FULL_CAUSAL or self.indexer is not None:
+        in order after it; the Triton backward sums their dkv key-major (the reference ignores this). HCA layers only,
+        as measured on the H200 at s 16384 (benchmarks/RESULTS.md): HCA 7.70 -> 5.69 ms; beside CSA's picks the window
+        band gains nothing (19.32 -> 19.25); window-only layers not measured yet (``bench_sparse_attn.py --shapes
+        v4win_s16384 --band-ab``), so they keep the CSR path."""
+        entries = layout.global_len // self.ratio if self.compressor is not None else 0
+        if self.kind is LayerKind.FULL_CAUSAL or self.indexer is not None or entries == 0:
             return ()
         halo = self.halo_rows(layout)
         first_key = layout.offset - halo if layout.cp_size > 1 else 0
         width = min(self.window, layout.global_len)
         bands = (Band(0, width, 1, layout.offset - first_key - width + 1),) if width > 0 else ()
-        entries = layout.global_len // self.ratio if self.compressor is not None else 0
-        if entries > 0:  # HCA: entry c in slot W + c, at kv_full row raw_keys + c
-            raw_keys = halo + layout.local_len if layout.cp_size > 1 else layout.global_len
-            bands += (Band(width, entries, 0, raw_keys - width),)
-        return bands
+        raw_keys = halo + layout.local_len if layout.cp_size > 1 else layout.global_len
+        return bands + (Band(width, entries, 0, raw_keys - width),)  # entry c in slot W + c, kv_full row raw_keys + c
 
     def index_table(
         self, x: paddle.Tensor, q_latent: paddle.Tensor, layout: SequenceLayout, picked: paddle.Tensor | None = None

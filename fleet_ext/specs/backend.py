@@ -115,7 +115,7 @@ class BackendProvider:
             where += ("; forward and the backward's dq: warp-specialised Gluon kernels (bf16/fp16, value width 512, "
                       "dq with 64-head tiles)")
         if switch == "csa_sparse_attn_backend":
-            where += "; window-only and HCA layers: the window and entry slots' dkv summed key-major (band slots)"
+            where += "; HCA layers: the window and entry slots' dkv summed key-major (band slots)"
         self._rows.append(ResolvedSwitch(switch, "triton", where, f"switch on; {BACKEND_GUARANTEE}"))
         return functools.partial(sparse_attention_triton, remap=remap,
                                  partial_dtype=self.config.fusion.sparse_attn_dkv_contribution_dtype)

@@ -17,6 +17,7 @@ Shapes (one sequence, B = 1; the kernels see the flat layout T = B * S):
   top-512 of random scores over the visible compressed entries (c < (t+1)/4), -1 where not visible.
 - ``v4hca_s*``: DSv4 HCA, h 64, d 512, 128 window slots + every visible compressed entry (c < (t+1)/128):
   K = 128 + s/128.
+- ``v4win_s*``: a DSv4 window-only layer, h 64, d 512, the 128 window slots alone (kv = the raw rows).
 
 FLOPs (dsv4_math.md §8), over *valid* (query, index) pairs only (the -1 slots are not counted):
 fwd 2·H·(d_qk + d_v) per pair, bwd 2·H·(2·d_v + 3·d_qk) per pair (TileLang's accounting).
@@ -126,6 +127,10 @@ def make_shape(name: str) -> dict:
     if kind == "v4csa":
         return {"name": name, "seq": seq, "heads": 64, "d_qk": 512, "d_v": 512, "n_kv": seq + seq // 4,
                 "idx": lambda: v4_index(seq, 4, 512), "bands": band.SlotBands(seq, seq + seq // 4, (window,))}
+    if kind == "v4win":  # a window-only layer (V4-Flash's first two and its MTP layer)
+        return {"name": name, "seq": seq, "heads": 64, "d_qk": 512, "d_v": 512, "n_kv": seq,
+                "idx": lambda: v4_index(seq, 128, None)[:, :128].contiguous(),
+                "bands": band.SlotBands(seq, seq, (window,))}
     if kind == "v4hca":  # ... and slot 128 + c entry c (row seq + c)
         return {"name": name, "seq": seq, "heads": 64, "d_qk": 512, "d_v": 512, "n_kv": seq + seq // 128,
                 "idx": lambda: v4_index(seq, 128, None), "bands": band.SlotBands(

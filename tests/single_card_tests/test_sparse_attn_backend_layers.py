@@ -180,3 +180,37 @@ def test_dkv_contribution_dtype_reaches_the_backward(monkeypatch, choice):
     overrides = {} if choice == "auto" else {"sparse_attn_dkv_contribution_dtype": choice}
     _run({"csa_sparse_attn_backend": "triton", **overrides})
     assert seen and set(seen) == {choice}, seen
+
+
+@pytest.mark.parametrize("global_len, cp_size, cp_rank", [(38, 1, 0), (12, 1, 0), (40, 2, 0), (40, 2, 1), (48, 4, 3)])
+def test_hca_slot_bands_describe_the_index_table(global_len, cp_size, cp_rank):
+    """``CompressedSparseAttention.slot_bands``: every slot a band names holds its key or -1 in the table the layer
+    builds (the contract of ``band.py``), and the bands hold every valid slot (no CSR slots left), with and without a
+    context-parallel halo; window-only, CSA and full-causal layers name none (they keep the CSR path)."""
+    from fleet_ext.layer_kinds import LayerKind
+    from fleet_ext.models import DSv4ForCausalLM
+    from fleet_ext.parallel.layout import SequenceLayout
+
+    model = DSv4ForCausalLM(BASE)
+    local = global_len // cp_size
+    layout = SequenceLayout(offset=cp_rank * local, local_len=local, global_len=global_len, cp_size=cp_size,
+                            cp_rank=cp_rank)
+    named = set()
+    for layer in model.layers:
+        core = layer.self_attention.core_attention
+        bands = core.slot_bands(layout)
+        is_hca = core.compressor is not None and core.indexer is None and core.kind is not LayerKind.FULL_CAUSAL
+        assert bool(bands) == is_hca, (core.kind, bands)
+        if not bands:
+            continue
+        table = core.index_table(paddle.zeros([1, local, 4]), None, layout)[0].numpy()
+        held = np.zeros_like(table, dtype=bool)
+        for band in bands:
+            i = np.arange(local)[:, None]
+            j = np.arange(band.slot0, band.slot0 + band.n_slots)[None, :]
+            part = table[:, band.slot0:band.slot0 + band.n_slots]
+            assert np.all((part == -1) | (part == band.step * i + band.base + j)), band
+            held[:, band.slot0:band.slot0 + band.n_slots] = part >= 0
+        assert np.array_equal(held, table >= 0)
+        named.add(core.kind)
+    assert named, "no HCA layer in the model"
