@@ -487,9 +487,9 @@ BAND_CASES = {  # (seqs, seq, heads, d_qk, d_v, window, ratio, topk, halo)
 @pytest.mark.parametrize("max_partial_bytes", [4 << 30, 5000], ids=["one_query_chunk", "query_chunks"])
 def test_band_slots_match_the_oracle_and_leave_the_rest_byte_equal(case, max_partial_bytes, monkeypatch):
     """``slot_bands``: dkv within the oracle's bound (the band kernel ran), out, lse, dq and d_sink byte-equal to
-    the backward without bands, byte-identical run to run; an entries band also in query splits (one query
-    chunk; added in order by the combine kernel); a band one key off (its slots no longer hold the keys it names,
-    so they are skipped) fails the oracle check."""
+    the backward without bands, byte-identical run to run and with or without the derived row bound; an entries band
+    also in query splits (one query chunk; added in order by the combine kernel); a band one key off (its slots no
+    longer hold the keys it names) fails the oracle check (NaN under the default poison mode)."""
     from fleet_ext.ops.sparse_attn import band_bwd as band_mod
     from fleet_ext.ops.sparse_attn.band import Band, SlotBands
 
@@ -504,6 +504,9 @@ def test_band_slots_match_the_oracle_and_leave_the_rest_byte_equal(case, max_par
         banded = run_kernels(*args[:4], 0.3, d_v, d_out, d_lse, max_partial_bytes=max_partial_bytes,
                              slot_bands=bands)
     again = run_kernels(*args[:4], 0.3, d_v, d_out, d_lse, max_partial_bytes=max_partial_bytes, slot_bands=bands)
+    unbounded = run_kernels(*args[:4], 0.3, d_v, d_out, d_lse, max_partial_bytes=max_partial_bytes, slot_bands=bands,
+                            derive_bound=False)  # no row bound: the band kernel reads every slot the dq step wrote
+    assert_bitwise(unbounded[3], banded[3], f"{case}: banded dkv with and without the row bound")
     assert_close(banded[3], ref[3], "fp32", "triton_sparse_attn", what=f"{case}: banded dkv")
     for k, name in enumerate(("out", "lse", "dq", "dkv", "d_sink")):
         assert_bitwise(banded[k], again[k], f"{case}: banded, two runs: {name}")
