@@ -265,6 +265,11 @@ BAND_VARIANTS = {  # --band-ab: launch settings of the band kernel tried beside 
     "poison_k64d128w4s3": {"BLOCK_K": 64, "BLOCK_D": 128, "POISON": True, "num_warps": 4, "num_stages": 3},
     "poison_k64d128w4s4": {"BLOCK_K": 64, "BLOCK_D": 128, "POISON": True, "num_warps": 4, "num_stages": 4},
     "poison_k64d128w4s2": {"BLOCK_K": 64, "BLOCK_D": 128, "POISON": True, "num_warps": 4, "num_stages": 2},
+    "poison_q2_k64d128w4s2": {"BLOCK_K": 64, "BLOCK_D": 128, "POISON": True, "QPS": 2, "num_warps": 4,
+                              "num_stages": 2},
+    "poison_q2_k64d128w4s3": {"BLOCK_K": 64, "BLOCK_D": 128, "POISON": True, "QPS": 2, "num_warps": 4,
+                              "num_stages": 3},
+    "poison_q2_k64d64w4s3": {"BLOCK_K": 64, "BLOCK_D": 64, "POISON": True, "QPS": 2, "num_warps": 4, "num_stages": 3},
     "poison_k64d64w4s4": {"BLOCK_K": 64, "BLOCK_D": 64, "POISON": True, "num_warps": 4, "num_stages": 4},
     "poison_k128d256w8s2": {"BLOCK_K": 128, "BLOCK_D": 256, "POISON": True, "num_warps": 8, "num_stages": 2},
 }

@@ -558,6 +558,26 @@ def test_poisoned_band_slots_load_unmasked_and_mark_a_broken_band(monkeypatch):
     assert named.any() and np.array_equal(nan_rows, named)
 
 
+@pytest.mark.parametrize("case", list(BAND_CASES))
+def test_band_slots_two_queries_per_step(case, monkeypatch):
+    """``QPS = 2`` (the poison mode's products over two queries' (query, head) rows, an odd query count per program
+    included): dkv within the oracle's bound, byte-identical run to run, a shifted band NaN."""
+    from fleet_ext.ops.sparse_attn import band_bwd
+    from fleet_ext.ops.sparse_attn.band import Band, SlotBands
+
+    seqs, seq, heads, d_qk, d_v, window, ratio, topk, halo = BAND_CASES[case]
+    args, bands = _banded_case(5, seqs, seq, heads, d_qk, d_v, window, ratio, topk, halo)
+    q, kv, idx, sink, d_out, d_lse = args
+    monkeypatch.setitem(band_bwd._BAND_CONFIG_INTERP, "QPS", 2)
+    with expect_launches("_bwd_dkv_band_kernel"):
+        got = run_kernels(*args[:4], 0.3, d_v, d_out, d_lse, slot_bands=bands)
+    assert_close(got[3], oracle(*args[:4], 0.3, d_v, d_out, d_lse)[3], "fp32", "triton_sparse_attn",
+                 what=f"{case}: two queries per step")
+    assert_bitwise(got[3], run_kernels(*args[:4], 0.3, d_v, d_out, d_lse, slot_bands=bands)[3], "two runs")
+    off = SlotBands(bands.seq, bands.kv_rows, (Band(0, window, 1, bands.bands[0].base + 1), *bands.bands[1:]))
+    assert np.isnan(run_kernels(*args[:4], 0.3, d_v, d_out, d_lse, slot_bands=off)[3]).any()
+
+
 @pytest.mark.parametrize("bands, pattern", [
     (((0, 4, 1, -3), (2, 3, 0, 10)), "overlap at slot 2"),
     (((0, 2, 1, -1), (4, 2, 0, 10), (7, 1, 0, 20)), "one contiguous range"),

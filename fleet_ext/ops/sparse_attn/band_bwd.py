@@ -22,8 +22,10 @@ from fleet_ext.ops.sparse_attn.kernel_bwd_band import (
 # ``_SPLIT_QUERIES`` queries each). The interpreter takes small tiles. H200 (--band-ab, DSv4 HCA s 16384, whole
 # backward): poison, 64 keys x 128 columns, 4 warps, 3 stages 5.69 ms; the select mode's best (128 x 128, 8 warps,
 # 3 stages) 5.95; poison at 128 x 128 6.42 (benchmarks/RESULTS.md, "Band slots").
-BAND_CONFIG_GPU = {"BLOCK_K": 64, "BLOCK_D": 128, "POISON": True, "num_warps": 4, "num_stages": 3}
-_BAND_CONFIG_INTERP = {"BLOCK_K": 16, "BLOCK_D": 16, "POISON": True}
+# ``QPS``: queries per step of the poison mode (2: k = 2 x 64 products, 198 KB of shared memory at 64 x 128 and 3
+# stages in the sm90 compile; not yet timed, so 1).
+BAND_CONFIG_GPU = {"BLOCK_K": 64, "BLOCK_D": 128, "POISON": True, "QPS": 1, "num_warps": 4, "num_stages": 3}
+_BAND_CONFIG_INTERP = {"BLOCK_K": 16, "BLOCK_D": 16, "POISON": True, "QPS": 1}
 _SPLIT_QUERIES = 512
 # Below this many queries per call a GPU keeps the CSR path for every slot: the band kernel's grid (key blocks x
 # column blocks) no longer fills the machine (H200, DSv4 HCA: s 4096 1.68 -> 2.17 ms with bands, s 16384 7.69 ->
