@@ -12,6 +12,7 @@
 - ``function.sparse_attention_triton`` (Paddle tensors, PyLayer) against the Paddle reference
   ``reference.sparse_attention_with_sink`` (forward and autograd), including widths that need padding.
 - Bad inputs raise ValueError naming the tensor.
+- Band slots (``band.py``: the window's and HCA's dkv summed key-major) against the same oracle, both kernel modes.
 
 Tolerance: fp32 ``triton_sparse_attn`` (tests/helpers/tolerances.py; relative to the largest entry of the
 reference; measured errors are ~1e-7..5e-7):
