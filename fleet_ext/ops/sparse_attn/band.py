@@ -63,6 +63,7 @@ class SlotBands:
         return gaps[0] if gaps else (width, width)
 
     def check(self, num_t: int, n_kv: int) -> None:
+        """Raises unless the flat q rows (``num_t``) and kv rows (``n_kv``) are whole sequences of this shape."""
         if self.seq < 1 or num_t % self.seq or n_kv != (num_t // self.seq) * self.kv_rows:
             raise ValueError(f"sparse_attn_bwd: slot bands for {self.seq} queries and {self.kv_rows} kv rows per "
                              f"sequence do not fit q's {num_t} rows and kv's {n_kv}")

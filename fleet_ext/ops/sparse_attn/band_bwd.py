@@ -34,6 +34,7 @@ BAND_MIN_QUERIES_GPU = 8192
 
 
 def band_config() -> dict:
+    """The band kernel's launch settings on this machine (``BAND_CONFIG_GPU`` or the interpreter's)."""
     return _BAND_CONFIG_INTERP if capability.detect().interpreter else BAND_CONFIG_GPU
 
 
