@@ -275,6 +275,25 @@ BAND_VARIANTS = {  # --band-ab: launch settings of the band kernel tried beside 
 }
 
 
+def _band_rows(bwd, bands, dq_ref, dkv_ref, rel) -> dict:
+    """--band-ab's comparison at the default launch setting: errors, bytes, breakdowns, alternating rounds."""
+    plain, banded, again = bwd(), bwd(slot_bands=bands), bwd(slot_bands=bands)
+    torch.cuda.synchronize()
+    out = {"bands": repr(bands), "dkv_rel_plain": rel(plain[1], dkv_ref), "dkv_rel_bands": rel(banded[1], dkv_ref),
+           "dq_rel": rel(banded[0], dq_ref),
+           "dq_dsink_bytes_equal": bool(torch.equal(plain[0], banded[0]) and torch.equal(plain[2], banded[2])),
+           "bitwise_repeat": all(torch.equal(a, b) for a, b in zip(banded, again)),
+           "kernels_ms_plain": kernel_breakdown(bwd),
+           "kernels_ms_bands": kernel_breakdown(lambda: bwd(slot_bands=bands))}
+    del plain, banded, again
+    times = {"plain": [], "bands": []}
+    for _ in range(3):
+        times["plain"].append(median_ms(bwd, warmup=5, rep=40))
+        times["bands"].append(median_ms(lambda: bwd(slot_bands=bands), warmup=5, rep=40))
+    out.update({f"bwd_{k}_ms": sorted(v)[1] for k, v in times.items()}, rounds_ms=times)
+    return out
+
+
 def band_ab(row: dict, bwd, bands, q, kv, idx, sink, d_out, scale: float, d_v: int, eager) -> None:
     """--band-ab: the backward with the table's band slots (``band.SlotBands``: the window, HCA's entries) summed
     key-major against the CSR path for every slot: errors of both against an fp32 reference (``eager``), dq and
@@ -292,25 +311,11 @@ def band_ab(row: dict, bwd, bands, q, kv, idx, sink, d_out, scale: float, d_v: i
     def rel(a, b):
         return float((a.float() - b).norm() / b.norm())
 
-    saved_min, band_bwd.BAND_MIN_QUERIES_GPU = band_bwd.BAND_MIN_QUERIES_GPU, 0  # timed at every size
-    plain, banded, again = bwd(), bwd(slot_bands=bands), bwd(slot_bands=bands)
-    torch.cuda.synchronize()
-    row["bands"] = {"bands": repr(bands), "dkv_rel_plain": rel(plain[1], dkv_ref),
-                    "dkv_rel_bands": rel(banded[1], dkv_ref),
-                    "dq_rel": rel(banded[0], dq_ref), "dq_dsink_bytes_equal": bool(
-                        torch.equal(plain[0], banded[0]) and torch.equal(plain[2], banded[2])),
-                    "bitwise_repeat": all(torch.equal(a, b) for a, b in zip(banded, again)),
-                    "kernels_ms_plain": kernel_breakdown(bwd),
-                    "kernels_ms_bands": kernel_breakdown(lambda: bwd(slot_bands=bands))}
-    del plain, banded, again
-    times = {"plain": [], "bands": []}
-    for _ in range(3):
-        times["plain"].append(median_ms(bwd, warmup=5, rep=40))
-        times["bands"].append(median_ms(lambda: bwd(slot_bands=bands), warmup=5, rep=40))
-    row["bands"].update({f"bwd_{k}_ms": sorted(v)[1] for k, v in times.items()}, rounds_ms=times)
-    saved = dict(band_bwd.BAND_CONFIG_GPU)
-    variants = {}
+    saved_min, saved = band_bwd.BAND_MIN_QUERIES_GPU, dict(band_bwd.BAND_CONFIG_GPU)
+    band_bwd.BAND_MIN_QUERIES_GPU = 0  # timed at every size
     try:
+        row["bands"] = _band_rows(bwd, bands, dq_ref, dkv_ref, rel)
+        variants = {}
         for name, cfg in BAND_VARIANTS.items():
             band_bwd.BAND_CONFIG_GPU.clear()
             band_bwd.BAND_CONFIG_GPU.update(cfg)
@@ -321,7 +326,7 @@ def band_ab(row: dict, bwd, bands, q, kv, idx, sink, d_out, scale: float, d_v: i
                     "band_ms": kernel_breakdown(lambda: bwd(slot_bands=bands)).get("_bwd_dkv_band_kernel")}
             except Exception as exc:  # noqa: BLE001 - a setting that does not fit is recorded, not fatal
                 variants[name] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
-    finally:
+    finally:  # the module's settings as they were, whatever failed
         band_bwd.BAND_CONFIG_GPU.clear()
         band_bwd.BAND_CONFIG_GPU.update(saved)
         band_bwd.BAND_MIN_QUERIES_GPU = saved_min
